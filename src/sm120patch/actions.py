@@ -1,0 +1,235 @@
+"""The three user-facing operations as plain functions (the CLI only parses and renders):
+locate -> select patch set -> plan -> transaction -> cache invalidation -> verify -> report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from sm120patch import jitcache
+from sm120patch.environment import FLASHINFER, PATCHABLE, TargetEnvironment
+from sm120patch.errors import RefusedError, UsageError
+from sm120patch.patchsets import Catalog
+from sm120patch.state import read_journal
+from sm120patch.plan import DistributionAssessment, Plan, assess, plan_apply, plan_revert, sha256
+
+if TYPE_CHECKING:
+    from sm120patch.transaction import Recovery
+
+
+@dataclass
+class DistributionStatus:
+    assessment: DistributionAssessment
+    pending_journal: str | None = None  # operation of an interrupted transaction, if any
+
+
+@dataclass
+class StatusReport:
+    env: TargetEnvironment
+    distributions: list[DistributionStatus]
+    jit_base: Path
+    jit_entries: list[Path]
+    stale_jit: list[Path]
+    aot: list[jitcache.AotShadow]
+    pin_mismatch: str | None = None
+
+
+def collect_status(env: TargetEnvironment, catalog: Catalog, *, jit_base: Path) -> StatusReport:
+    statuses = []
+    for name in PATCHABLE:
+        dist = env.get(name)
+        if dist is None:
+            continue
+        assessment = assess(env, dist, catalog)
+        pending = None
+        if assessment.patch_set is not None:
+            try:
+                journal = read_journal(assessment.state)
+                pending = journal["operation"] if journal else None
+            except Exception as exc:  # a corrupt journal is itself something to report
+                pending = f"unreadable journal ({getattr(exc, 'message', exc)})"
+        statuses.append(DistributionStatus(assessment, pending))
+    flashinfer = env.get(FLASHINFER)
+    entries = jitcache.entries(flashinfer.raw_version, jit_base) if flashinfer else []
+    sources = [fa.path for s in statuses if s.assessment.dist.name == FLASHINFER for fa in s.assessment.files.values()]
+    stale = [entry for entry in entries if jitcache.is_stale(entry, sources)]
+    return StatusReport(env, statuses, jit_base, entries, stale, jitcache.aot_shadows(env), _pin_mismatch(env))
+
+
+def _pin_mismatch(env: TargetEnvironment) -> str | None:
+    sglang, flashinfer = env.get("sglang"), env.get(FLASHINFER)
+    if not (sglang and flashinfer):
+        return None
+    pinned = sglang.pinned_version_of(FLASHINFER)
+    if pinned and pinned != flashinfer.raw_version:
+        return f"sglang {sglang.raw_version} pins flashinfer-python=={pinned}; {flashinfer.raw_version} is installed"
+    return None
+
+
+@dataclass
+class DistributionResult:
+    name: str
+    version: str
+    plan: Plan | None
+    recovery: Recovery | None = None
+    message: str = ""
+
+
+@dataclass
+class ChangeReport:
+    operation: str  # "apply" or "revert"
+    env: TargetEnvironment
+    results: list[DistributionResult] = field(default_factory=list)
+    jit_removed: list[Path] = field(default_factory=list)
+    aot: list[jitcache.AotShadow] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return any(r.plan and r.plan.files for r in self.results)
+
+
+def _targets(env: TargetEnvironment, selectors: dict[str, str | bool | None]) -> list[tuple[str, str | None]]:
+    """Which distributions to act on: the named ones (checking an asserted version), else all found."""
+    named = {name: value for name, value in selectors.items() if value}
+    chosen = []
+    for name in PATCHABLE:
+        if named and name not in named:
+            continue
+        dist = env.get(name)
+        wanted = named.get(name)
+        if dist is None:
+            if wanted:
+                raise UsageError(f"{name} is not installed in {env.executable}")
+            continue
+        if isinstance(wanted, str) and wanted != dist.raw_version:
+            raise UsageError(
+                f"--{name.split('-')[0]} {wanted}: {env.executable} has {name} {dist.raw_version}",
+                hint=f"run `sm120patch apply --{name.split('-')[0]} {dist.raw_version}` to patch the installed release",
+            )
+        chosen.append((name, wanted if isinstance(wanted, str) else None))
+    if not chosen:
+        raise UsageError(f"neither flashinfer-python nor sglang is installed in {env.executable}")
+    return chosen
+
+
+def run_apply(
+    env: TargetEnvironment,
+    catalog: Catalog,
+    *,
+    selectors: dict[str, str | None],
+    with_ids: Sequence[str] = (),
+    force: bool = False,
+    dry_run: bool = False,
+    jit_base: Path,
+    on_wait: Callable[[str], None] | None = None,
+) -> ChangeReport:
+    report = ChangeReport("apply", env, dry_run=dry_run, aot=jitcache.aot_shadows(env))
+    targets = _targets(env, selectors)
+    unknown = set(with_ids) - {p.id for n, _ in targets for ps in catalog.for_distribution(n) for p in ps.patches}
+    if unknown:
+        raise UsageError(f"--with {','.join(sorted(unknown))}: no such patch for {', '.join(n for n, _ in targets)}")
+    work = []
+    for name, _ in targets:
+        assessment = assess(env, env.get(name), catalog)
+        if assessment.patch_set is None:
+            if assessment.fixed_upstream:
+                report.results.append(DistributionResult(name, assessment.dist.raw_version, None, message=assessment.reason))
+                continue
+            raise RefusedError(assessment.reason, hint="see `sm120patch status`; newer releases need a newer sm120patch")
+        ids = [i for i in with_ids if any(p.id == i for p in assessment.patch_set.patches)]
+        work.append((assessment, assessment.patch_set.select(ids)))
+    if dry_run:
+        for assessment, selected in work:
+            plan = plan_apply(assessment, selected, force=force)
+            report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan))
+        return report
+    state_root = env.state_root(work[0][0].dist) if work else None
+    if state_root is None:
+        return report
+    from sm120patch.transaction import environment_lock, recover
+
+    with environment_lock(state_root, on_wait=on_wait):
+        for assessment, selected in work:
+            recovery = recover(assessment.state)
+            if recovery:
+                assessment = assess(env, assessment.dist, catalog)
+            plan = plan_apply(assessment, selected, force=force)
+            _execute(plan, "apply")
+            report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan, recovery))
+            _check_after(plan)
+    report.jit_removed = _invalidate(env, report, jit_base)
+    return report
+
+
+def run_revert(
+    env: TargetEnvironment,
+    catalog: Catalog,
+    *,
+    selectors: dict[str, bool],
+    force: bool = False,
+    jit_base: Path,
+    on_wait: Callable[[str], None] | None = None,
+) -> ChangeReport:
+    report = ChangeReport("revert", env, aot=jitcache.aot_shadows(env))
+    assessments = []
+    for name, _ in _targets(env, selectors):
+        assessment = assess(env, env.get(name), catalog)
+        if assessment.patch_set is None:
+            report.results.append(DistributionResult(name, assessment.dist.raw_version, None, message=assessment.reason))
+            continue
+        assessments.append(assessment)
+    if not assessments:
+        return report
+    from sm120patch.transaction import environment_lock, recover
+
+    with environment_lock(env.state_root(assessments[0].dist), on_wait=on_wait):
+        for assessment in assessments:
+            recovery = recover(assessment.state)
+            if recovery:
+                assessment = assess(env, assessment.dist, catalog)
+            plan = plan_revert(assessment, force=force)
+            _execute(plan, "revert")
+            report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan, recovery))
+            _check_after(plan)
+    report.jit_removed = _invalidate(env, report, jit_base)
+    return report
+
+
+def _execute(plan: Plan, operation: str) -> None:
+    assessment = plan.assessment
+    if not plan.files and (operation == "apply" or assessment.record is None):
+        return
+    from sm120patch.transaction import FileChange, Transaction
+
+    changes = [FileChange(f.relpath, f.path, f.before, f.after, f.data) for f in plan.files]
+    Transaction(
+        assessment.state,
+        operation=operation,
+        changes=changes,
+        new_record=plan.new_record,
+        keep_originals={f.relpath: f.original for f in plan.files if f.original is not None},
+        drop_originals=list(assessment.record.files) if operation == "revert" and assessment.record else (),
+    ).run()
+
+
+def _check_after(plan: Plan) -> None:
+    """Read every written file back: it must hash to what the plan promised; after revert
+    that is the installed RECORD's hash, checked again here."""
+    tree = plan.assessment.tree
+    for planned in plan.files:
+        actual = sha256(planned.path.read_bytes())
+        if actual != planned.after:
+            raise RefusedError(f"{planned.path} does not hold the expected bytes after writing it")
+        if plan.new_record is None and tree.release_sha256(planned.relpath) not in (actual, None) \
+                and not (plan.assessment.record and plan.assessment.record.unpinned):
+            raise RefusedError(f"{planned.path} was restored but does not match the installed RECORD")
+
+
+def _invalidate(env: TargetEnvironment, report: ChangeReport, jit_base: Path) -> list[Path]:
+    """Drop trtllm_comm JIT entries once FlashInfer's sources changed (they would keep the old
+    flags); an SGLang-only change leaves the cache alone."""
+    if not any(r.name == FLASHINFER and r.plan and r.plan.files for r in report.results):
+        return []
+    return jitcache.invalidate(env.get(FLASHINFER).raw_version, jit_base)

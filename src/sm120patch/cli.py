@@ -1,0 +1,174 @@
+"""Command line: parse, call one function from actions/manifests, render. Nothing else."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from sm120patch import __version__
+from sm120patch.errors import ExitCode, Sm120PatchError
+
+EXIT_CODES = """\b
+Exit codes:
+  0  success (status: everything installed is patched or fixed upstream)
+  1  status: something is not (fully) patched
+  2  bad input (options, --python, version selector, patch data)
+  3  refused: a file is not the release's bytes, or no pinned patch set
+  4  failed (I/O error, lock held); every change was rolled back"""
+
+python_option = click.option(
+    "--python", "python", metavar="PATH", default=None,
+    help="Interpreter of the environment to act on (e.g. ~/ml-env/bin/python3). Default: this one.",
+)
+jit_option = click.option(
+    "--jit-cache-base", metavar="DIR", default=None,
+    help="Base of FlashInfer's JIT cache (the server user's $FLASHINFER_WORKSPACE_BASE or $HOME). "
+    "Default: $FLASHINFER_WORKSPACE_BASE, else $HOME.",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of text.")
+
+
+def handle_errors(command):
+    """Turn expected failures into one clear message and the documented exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Sm120PatchError as exc:
+            click.echo(f"sm120patch: error: {exc.message}", err=True)
+            if exc.hint:
+                click.echo(f"hint: {exc.hint}", err=True)
+            sys.exit(int(exc.exit_code))
+        except KeyboardInterrupt:
+            click.echo("sm120patch: interrupted; any change in progress was rolled back", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _wait_message(text: str) -> None:
+    click.echo(f"sm120patch: {text}", err=True)
+
+
+@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sm120patch")
+def cli() -> None:
+    """Enable FlashInfer/SGLang TRT-LLM allreduce fusion on SM120 GPUs (RTX PRO 6000
+    Blackwell, RTX 5090) with exact, version-pinned, reversible patches."""
+
+
+@cli.command(epilog=EXIT_CODES)
+@python_option
+@jit_option
+@json_option
+@handle_errors
+def status(python, jit_cache_base, as_json):
+    """Show what is installed, which patches are applied, stale JIT entries and AOT shadowing."""
+    from sm120patch import environment
+
+    probe = environment.start_probe(python)  # runs while the rest is imported
+    from sm120patch import actions, jitcache, patchsets, report
+
+    env = probe.result()
+    catalog = patchsets.load_catalog(check_rewriters=False)
+    result = actions.collect_status(env, catalog, jit_base=jitcache.cache_base(jit_cache_base))
+    click.echo(json.dumps(report.status_json(result), indent=2) if as_json else report.render_status(result))
+    sys.exit(int(report.status_exit_code(result)))
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.option("--flashinfer", metavar="VER", default=None,
+              help="Patch flashinfer-python, which must be installed at version VER.")
+@click.option("--sglang", metavar="VER", default=None,
+              help="Patch sglang, which must be installed at version VER.")
+@click.option("--with", "with_ids", metavar="ID,...", default="",
+              help="Also apply these opt-in patches (see `sm120patch status`).")
+@python_option
+@click.option("--dry-run", is_flag=True, help="Print the unified diff; change nothing.")
+@click.option("--force", is_flag=True,
+              help="Patch files that are not the release's bytes (drift), by meaning rather than by hash.")
+@jit_option
+@json_option
+@handle_errors
+def apply(flashinfer, sglang, with_ids, python, dry_run, force, jit_cache_base, as_json):
+    """Apply the patch set pinned to each installed release.
+
+    With no --flashinfer/--sglang, every installed distribution that has a patch set is patched.
+    Required patches always; opt-in ones only with --with. Re-applying changes nothing."""
+    from sm120patch import actions, environment, jitcache, patchsets, report
+
+    env = environment.locate(python)
+    catalog = patchsets.load_catalog()
+    result = actions.run_apply(
+        env, catalog,
+        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
+        with_ids=[i.strip() for i in with_ids.split(",") if i.strip()],
+        force=force, dry_run=dry_run,
+        jit_base=jitcache.cache_base(jit_cache_base), on_wait=_wait_message,
+    )
+    click.echo(json.dumps(report.change_json(result), indent=2) if as_json else report.render_change(result))
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.option("--flashinfer", is_flag=True, help="Revert flashinfer-python only.")
+@click.option("--sglang", is_flag=True, help="Revert sglang only.")
+@python_option
+@click.option("--force", is_flag=True, help="Restore the release's bytes even over files edited after patching.")
+@jit_option
+@json_option
+@handle_errors
+def revert(flashinfer, sglang, python, force, jit_cache_base, as_json):
+    """Restore the release's original bytes of every patched file (checked against RECORD)."""
+    from sm120patch import actions, environment, jitcache, patchsets, report
+
+    env = environment.locate(python)
+    catalog = patchsets.load_catalog()
+    result = actions.run_revert(
+        env, catalog,
+        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
+        force=force, jit_base=jitcache.cache_base(jit_cache_base), on_wait=_wait_message,
+    )
+    click.echo(json.dumps(report.change_json(result), indent=2) if as_json else report.render_change(result))
+
+
+@cli.group()
+def manifest() -> None:
+    """Build the vendor manifests from the real upstream wheels (maintainers)."""
+
+
+@manifest.command("build")
+@click.option("--wheel-cache", metavar="DIR", default=None,
+              help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
+@click.option("--out", metavar="DIR", default=None, help="Write here instead of vendor-manifests/.")
+@click.option("--check", is_flag=True, help="Rebuild and compare with the committed manifests; write nothing.")
+@handle_errors
+def manifest_build(wheel_cache, out, check):
+    """Download every pinned release's wheel and write its manifest."""
+    from pathlib import Path
+
+    from sm120patch import manifests, patchsets, wheels
+
+    catalog = patchsets.load_catalog()
+    cache = Path(wheel_cache) if wheel_cache else wheels.default_cache()
+    stale = []
+    for patch_set in catalog.patch_sets:
+        for version in patch_set.versions:
+            wheel = wheels.fetch_wheel(patch_set.distribution, str(version), cache)
+            document = manifests.build_manifest(wheel, patch_set)
+            if check:
+                path = manifests.manifest_path(patch_set.distribution, str(version))
+                same = path.exists() and path.read_text(encoding="utf-8") == manifests.render(document)
+                click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}")
+                stale += [] if same else [path]
+            else:
+                click.echo(f"wrote {manifests.write_manifest(document, Path(out) if out else None)}")
+    if stale:
+        sys.exit(int(ExitCode.NOT_PATCHED))
+
+
+def main() -> None:
+    cli(prog_name="sm120patch")

@@ -1,0 +1,195 @@
+"""Rendering: the human tables and the --json documents. No decisions are made here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sm120patch.actions import ChangeReport, StatusReport
+from sm120patch.errors import ExitCode
+from sm120patch.plan import DistributionAssessment, PatchState
+
+AOT_HINT = (
+    "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
+    "has no SM120 code: uninstall flashinfer-jit-cache (or remove that file) so the JIT builds it"
+)
+SGLANG_AUTO_ENABLE = "only with --enable-flashinfer-allreduce-fusion; benchmark before production: fusion regressed at TP4 over PCIe upstream"
+
+
+def overall(assessment: DistributionAssessment) -> str:
+    if assessment.patch_set is None:
+        return "fixed upstream" if assessment.fixed_upstream else "no patch set"
+    states = {p.id: assessment.patch_state(p) for p in assessment.patch_set.patches}
+    if any(s in (PatchState.DRIFTED, PatchState.MISSING) for s in states.values()):
+        return "DRIFTED"
+    required = [states[p.id] for p in assessment.patch_set.patches if p.required]
+    if all(s is PatchState.APPLIED for s in required):
+        return "patched"
+    if any(s is PatchState.APPLIED for s in states.values()):
+        return "partly patched"
+    return "not patched"
+
+
+def status_exit_code(report: StatusReport) -> ExitCode:
+    verdicts = [overall(s.assessment) for s in report.distributions]
+    if "DRIFTED" in verdicts or any(s.pending_journal for s in report.distributions):
+        return ExitCode.REFUSED
+    if not verdicts or any(v not in ("patched", "fixed upstream") for v in verdicts):
+        return ExitCode.NOT_PATCHED
+    return ExitCode.OK
+
+
+def render_status(report: StatusReport) -> str:
+    env = report.env
+    lines = [f"Python {env.executable} ({env.python_version})"]
+    if not report.distributions:
+        lines.append("  neither flashinfer-python nor sglang is installed here")
+    for status in report.distributions:
+        a = status.assessment
+        lines.append("")
+        lines.append(f"{a.dist.name} {a.dist.raw_version}: {overall(a)}" + (f"  ({a.dist.location})"))
+        if a.patch_set is None:
+            lines.append(f"  {a.reason}")
+            continue
+        width = max(len(p.id) for p in a.patch_set.patches)
+        for patch in a.patch_set.patches:
+            state = a.patch_state(patch)
+            kind = "" if patch.required else " (opt-in)"
+            fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
+            lines.append(f"  {patch.id:<{width}}  {state.value + kind:<19} {patch.file}{fixed}")
+        for fa in a.files.values():
+            if fa.detail:
+                lines.append(f"  ! {fa.relpath}: {fa.detail}")
+        if a.dropped_by_reinstall:
+            lines.append(
+                f"  ! {', '.join(a.dropped_by_reinstall)} had been applied; the files are the release's again "
+                "(pip reinstalled the package): run `sm120patch apply` again"
+            )
+        if status.pending_journal:
+            lines.append(f"  ! an interrupted {status.pending_journal} was found; the next apply or revert rolls it back")
+        if a.record and a.record.unpinned:
+            lines.append("  ! applied with --force to bytes no vendor manifest vouches for (unpinned)")
+        if a.patch_set.fixed_in:
+            lines.append(f"  upstream fix: {a.patch_set.fixed_in} ({a.patch_set.upstream})")
+        for note in a.patch_set.notes:
+            lines.append(f"  note: {note}")
+        if a.dist.name == "sglang":
+            lines.append(f"  fusion on SM120: {SGLANG_AUTO_ENABLE}")
+    lines.append("")
+    lines.append(f"JIT cache: {report.jit_base / '.cache' / 'flashinfer'}")
+    if report.jit_entries:
+        for entry in report.jit_entries:
+            mark = "STALE (built before the last source change; remove it)" if entry in report.stale_jit else "current"
+            lines.append(f"  {entry}: {mark}")
+    else:
+        lines.append("  no trtllm_comm entries (FlashInfer builds one on first use)")
+    for shadow in report.aot:
+        lines.append(f"AOT: {shadow.path} ({shadow.source})")
+        lines.append(f"  ! {AOT_HINT}")
+    if report.pin_mismatch:
+        lines.append(f"note: {report.pin_mismatch} (sm120patch patches each as installed)")
+    return "\n".join(lines)
+
+
+def status_json(report: StatusReport) -> dict:
+    out = {
+        "python": str(report.env.executable),
+        "python_version": report.env.python_version,
+        "exit_code": int(status_exit_code(report)),
+        "distributions": [],
+        "jit_cache": {
+            "base": str(report.jit_base),
+            "trtllm_comm_entries": [str(e) for e in report.jit_entries],
+            "stale": [str(e) for e in report.stale_jit],
+        },
+        "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
+        "pin_mismatch": report.pin_mismatch,
+    }
+    for status in report.distributions:
+        a = status.assessment
+        entry = {
+            "name": a.dist.name,
+            "version": a.dist.raw_version,
+            "location": str(a.dist.location),
+            "state": overall(a),
+            "patch_set": a.patch_set.source.name if a.patch_set else None,
+            "reason": a.reason or None,
+            "fixed_in": str(a.patch_set.fixed_in) if a.patch_set and a.patch_set.fixed_in else None,
+            "interrupted_transaction": status.pending_journal,
+            "dropped_by_reinstall": a.dropped_by_reinstall,
+            "unpinned": bool(a.record and a.record.unpinned),
+            "patches": [],
+        }
+        if a.patch_set:
+            for patch in a.patch_set.patches:
+                fa = a.files[patch.file]
+                entry["patches"].append(
+                    {
+                        "id": patch.id,
+                        "file": patch.file,
+                        "required": patch.required,
+                        "state": a.patch_state(patch).value,
+                        "sha256": fa.sha256,
+                        "upstream": patch.upstream,
+                        "fixed_in": patch.fixed_in,
+                        "detail": fa.detail or None,
+                    }
+                )
+        out["distributions"].append(entry)
+    return out
+
+
+def render_change(report: ChangeReport) -> str:
+    verb = {"apply": "patched", "revert": "restored"}[report.operation]
+    lines = []
+    for result in report.results:
+        if result.recovery:
+            lines.append(
+                f"{result.name}: rolled back an interrupted {result.recovery.operation} "
+                f"({len(result.recovery.restored)} file(s) restored)"
+            )
+        if result.plan is None:
+            lines.append(f"{result.name} {result.version}: nothing to do: {result.message}")
+            continue
+        root = result.plan.assessment.dist.location
+        if report.dry_run:
+            if not result.plan.files:
+                lines.append(f"{result.name} {result.version}: already patched, nothing would change")
+            for planned in result.plan.files:
+                lines.append(planned.diff(root).rstrip("\n"))
+            continue
+        if not result.plan.files:
+            lines.append(f"{result.name} {result.version}: nothing to change (already {verb})")
+            continue
+        lines.append(f"{result.name} {result.version}: {verb} {len(result.plan.files)} file(s)")
+        for planned in result.plan.files:
+            ids = ", ".join(planned.patches) if planned.patches else "release bytes"
+            lines.append(f"  {planned.relpath}  [{ids}]  sha256 {planned.before[:12]} -> {planned.after[:12]}")
+    if not report.dry_run:
+        for path in report.jit_removed:
+            lines.append(f"removed stale JIT cache entry {path}")
+    for shadow in report.aot:
+        lines.append(f"warning: prebuilt {shadow.path} ({shadow.source}): {AOT_HINT}")
+    return "\n".join(lines)
+
+
+def change_json(report: ChangeReport) -> dict:
+    return {
+        "operation": report.operation,
+        "dry_run": report.dry_run,
+        "python": str(report.env.executable),
+        "results": [
+            {
+                "name": r.name,
+                "version": r.version,
+                "message": r.message or None,
+                "recovered": r.recovery.operation if r.recovery else None,
+                "files": [
+                    {"file": f.relpath, "patches": list(f.patches), "before": f.before, "after": f.after}
+                    for f in (r.plan.files if r.plan else ())
+                ],
+            }
+            for r in report.results
+        ],
+        "jit_cache_removed": [str(p) for p in report.jit_removed],
+        "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
+    }

@@ -1,0 +1,115 @@
+"""Rewriter protocol, typed results and the by-name registry.
+
+A rewriter is a small class, registered under a dotted name (``python.extend-list-argument``),
+with a one-line ``description`` and the parameters it takes. Patch sets (TOML data) name a
+rewriter and give its parameters and the exact number of sites it must find; the rewriter
+never guesses: a different count is a :class:`NoMatch`, and the planner refuses the file.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Union
+
+from sm120patch.errors import PatchDataError
+
+
+@dataclass(frozen=True)
+class Changed:
+    """The rewriter found exactly ``sites`` sites and rewrote them."""
+
+    source: bytes
+    sites: int
+
+
+@dataclass(frozen=True)
+class AlreadyApplied:
+    """Every site is already in its patched form; nothing to do."""
+
+    sites: int
+
+
+@dataclass(frozen=True)
+class NoMatch:
+    """The source is neither the expected pristine nor the patched form."""
+
+    reason: str
+
+
+RewriteResult = Union[Changed, AlreadyApplied, NoMatch]
+
+
+class Rewriter(abc.ABC):
+    """Base class: subclasses set ``name``, ``description`` and ``params`` and implement
+    :meth:`rewrite`. ``params`` maps each parameter name to its type (``list`` means a list
+    of strings); every listed parameter is required."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    params: ClassVar[Mapping[str, type]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        missing = sorted(set(self.params) - set(params))
+        unknown = sorted(set(params) - set(self.params))
+        if missing or unknown:
+            raise PatchDataError(
+                f"rewriter {self.name}: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing parameter(s) {', '.join(missing)}" if missing else "",
+                        f"unknown parameter(s) {', '.join(unknown)}" if unknown else "",
+                    )
+                    if part
+                )
+            )
+        for key, kind in self.params.items():
+            value = params[key]
+            ok = isinstance(value, kind) and (
+                kind is not list or all(isinstance(item, str) for item in value)
+            )
+            if not ok:
+                raise PatchDataError(
+                    f"rewriter {self.name}: parameter {key} must be "
+                    + ("a list of strings" if kind is list else f"a {kind.__name__}")
+                )
+        self.args = dict(params)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check parameter values (e.g. that a pattern compiles); raise PatchDataError."""
+
+    @abc.abstractmethod
+    def rewrite(self, source: bytes, *, sites: int) -> RewriteResult:
+        """Rewrite ``source``, which must hold exactly ``sites`` sites."""
+
+
+REGISTRY: dict[str, type[Rewriter]] = {}
+
+
+def register(cls: type[Rewriter]) -> type[Rewriter]:
+    if cls.name in REGISTRY:
+        raise RuntimeError(f"rewriter {cls.name} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def create(name: str, params: Mapping[str, Any]) -> Rewriter:
+    """Instantiate a registered rewriter by name (patch sets refer to rewriters this way)."""
+    from sm120patch.rewriters import load_all
+
+    load_all()
+    try:
+        cls = REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise PatchDataError(f"unknown rewriter {name!r} (known: {known})") from None
+    return cls(**params)
+
+
+def decode(source: bytes, rewriter: str) -> str | NoMatch:
+    try:
+        return source.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return NoMatch(f"{rewriter}: file is not UTF-8 text ({exc.reason} at byte {exc.start})")

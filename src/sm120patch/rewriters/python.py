@@ -1,0 +1,327 @@
+"""libcst rewriters for Python sources: they match syntax, not text, and keep every byte of
+formatting they do not need to touch."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from sm120patch.errors import PatchDataError
+from sm120patch.rewriters.base import AlreadyApplied, Changed, NoMatch, RewriteResult, Rewriter, decode, register
+
+_EMPTY = cst.Module(body=[])
+
+
+def _code(node: cst.CSTNode) -> str:
+    """A node's source with whitespace collapsed, for comparing code by meaning."""
+    return " ".join(_EMPTY.code_for_node(node).split())
+
+
+class _SiteTransformer(cst.CSTTransformer):
+    """Counts sites to patch and sites already patched, optionally within one function."""
+
+    def __init__(self, function: str | None = None) -> None:
+        super().__init__()
+        self.function = function
+        self._functions: list[str] = []
+        self.found = 0
+        self.applied = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._functions.append(node.name.value)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        self._functions.pop()
+        return updated_node
+
+    @property
+    def in_scope(self) -> bool:
+        return self.function is None or self.function in self._functions
+
+
+class LibcstRewriter(Rewriter):
+    """Parses, runs one :class:`_SiteTransformer` pass, and turns its counts into a result."""
+
+    expression_params: tuple[str, ...] = ()
+    statement_params: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        for key in self.expression_params:
+            try:
+                cst.parse_expression(self.args[key])
+            except cst.ParserSyntaxError:
+                raise PatchDataError(f"rewriter {self.name}: {key} is not a Python expression: {self.args[key]!r}") from None
+        for key in self.statement_params:
+            try:
+                cst.parse_statement(self.args[key])
+            except cst.ParserSyntaxError:
+                raise PatchDataError(f"rewriter {self.name}: {key} is not a Python statement: {self.args[key]!r}") from None
+
+    def transformer(self) -> _SiteTransformer:
+        raise NotImplementedError
+
+    def what(self) -> str:
+        """The site, in words, for refusal messages."""
+        raise NotImplementedError
+
+    def rewrite(self, source: bytes, *, sites: int) -> RewriteResult:
+        text = decode(source, self.name)
+        if isinstance(text, NoMatch):
+            return text
+        try:
+            module = cst.parse_module(text)
+        except cst.ParserSyntaxError as exc:
+            return NoMatch(f"file does not parse as Python ({exc.message}, line {exc.raw_line})")
+        transformer = self.transformer()
+        new_module = module.visit(transformer)
+        if transformer.found == 0 and transformer.applied == sites:
+            return AlreadyApplied(sites)
+        if transformer.found == sites and transformer.applied == 0:
+            return Changed(new_module.code.encode("utf-8"), sites)
+        return NoMatch(
+            f"expected {sites} site(s) of {self.what()}, found {transformer.found} to patch"
+            f" and {transformer.applied} already patched"
+        )
+
+
+@register
+class ExtendListArgument(LibcstRewriter):
+    """``f(keyword=[9, 10])`` inside ``function`` becomes ``f(keyword=[9, 10, value])``."""
+
+    name = "python.extend-list-argument"
+    description = "Append a value to a list literal passed as a keyword argument inside one function."
+    params = {"function": str, "keyword": str, "value": str}
+    expression_params = ("value",)
+
+    def what(self) -> str:
+        return f"{self.args['keyword']}=[...] in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        keyword = self.args["keyword"]
+        value = cst.parse_expression(self.args["value"])
+        value_code = _code(value)
+
+        class Transformer(_SiteTransformer):
+            def leave_Arg(self, original_node: cst.Arg, updated_node: cst.Arg) -> cst.Arg:
+                if not (self.in_scope and updated_node.keyword and updated_node.keyword.value == keyword):
+                    return updated_node
+                if not isinstance(updated_node.value, cst.List):
+                    return updated_node
+                elements = updated_node.value.elements
+                if any(_code(element.value) == value_code for element in elements):
+                    self.applied += 1
+                    return updated_node
+                self.found += 1
+                new_list = updated_node.value.with_changes(elements=[*elements, cst.Element(value=value)])
+                return updated_node.with_changes(value=new_list)
+
+        return Transformer(self.args["function"])
+
+
+@register
+class AddImportName(LibcstRewriter):
+    """``from module import (a, after, b)`` becomes ``from module import (a, after, name, b)``."""
+
+    name = "python.add-import-name"
+    description = "Add a name to an existing 'from MODULE import ...' statement, right after a given name."
+    params = {"module": str, "name": str, "after": str}
+
+    def what(self) -> str:
+        return f"'from {self.args['module']} import ..., {self.args['after']}'"
+
+    def transformer(self) -> _SiteTransformer:
+        wanted_module, name, after = self.args["module"], self.args["name"], self.args["after"]
+
+        class Transformer(_SiteTransformer):
+            def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> cst.ImportFrom:
+                if updated_node.module is None or _code(updated_node.module) != wanted_module:
+                    return updated_node
+                if isinstance(updated_node.names, cst.ImportStar):
+                    return updated_node
+                names = list(updated_node.names)
+                imported = [_code(alias.name) for alias in names]
+                if name in imported:
+                    self.applied += 1
+                    return updated_node
+                if after not in imported:
+                    return updated_node
+                self.found += 1
+                new_alias = cst.ImportAlias(name=cst.Name(name))
+                names = _insert_after(names, imported.index(after), new_alias)
+                return updated_node.with_changes(names=names)
+
+        return Transformer()
+
+
+def _insert_after(items: list, index: int, new_item):
+    """Insert ``new_item`` after ``items[index]`` in a comma-separated sequence (import names,
+    dict entries), keeping the layout: the new item takes over the anchor's comma (and with it
+    whatever comes before the closing bracket), and the anchor gets the separator the other
+    items use (for a one-per-line layout, a line break and the indent)."""
+    anchor = items[index]
+    separators = [item.comma for item in items[:-1] if isinstance(item.comma, cst.Comma)]
+    separator = separators[0] if separators else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    return [
+        *items[:index],
+        anchor.with_changes(comma=separator),
+        new_item.with_changes(comma=anchor.comma),
+        *items[index + 1 :],
+    ]
+
+
+@register
+class InsertStatementAfter(LibcstRewriter):
+    """After the module-level assignment to ``anchor``, insert the statement ``statement``."""
+
+    name = "python.insert-statement-after"
+    description = "Insert one module-level statement right after the assignment to a given name."
+    params = {"anchor": str, "statement": str}
+    statement_params = ("statement",)
+
+    def what(self) -> str:
+        return f"the module-level assignment to {self.args['anchor']}"
+
+    def transformer(self) -> _SiteTransformer:
+        anchor = self.args["anchor"]
+        statement = cst.parse_statement(self.args["statement"])
+        statement_code = _code(statement)
+
+        def assigns_anchor(node: cst.CSTNode) -> bool:
+            if not isinstance(node, cst.SimpleStatementLine):
+                return False
+            for small in node.body:
+                targets = []
+                if isinstance(small, cst.Assign):
+                    targets = [t.target for t in small.targets]
+                elif isinstance(small, (cst.AnnAssign, cst.AugAssign)):
+                    targets = [small.target]
+                if any(isinstance(t, cst.Name) and t.value == anchor for t in targets):
+                    return True
+            return False
+
+        class Transformer(_SiteTransformer):
+            def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+                body = list(updated_node.body)
+                if any(_code(node) == statement_code for node in body):
+                    self.applied += 1
+                    return updated_node
+                positions = [i for i, node in enumerate(body) if assigns_anchor(node)]
+                self.found += len(positions)
+                for i in reversed(positions):
+                    body.insert(i + 1, statement)
+                return updated_node.with_changes(body=body)
+
+        return Transformer()
+
+
+@register
+class ExtendOrCondition(LibcstRewriter):
+    """A whole ``a or b`` chain inside ``function`` (all of ``operands``, in order) becomes
+    ``a or b or add``; parentheses around the chain stay around the longer chain."""
+
+    name = "python.extend-or-condition"
+    description = "Add an alternative to an exact 'a or b' condition inside one function."
+    params = {"function": str, "operands": list, "add": str}
+    expression_params = ("add",)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.args["operands"]:
+            raise PatchDataError(f"rewriter {self.name}: operands must not be empty")
+        for operand in self.args["operands"]:
+            try:
+                cst.parse_expression(operand)
+            except cst.ParserSyntaxError:
+                raise PatchDataError(f"rewriter {self.name}: operand is not a Python expression: {operand!r}") from None
+
+    def what(self) -> str:
+        return f"'{' or '.join(self.args['operands'])}' in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        operands = [_code(cst.parse_expression(o)) for o in self.args["operands"]]
+        add = cst.parse_expression(self.args["add"])
+        patched = [*operands, _code(add)]
+
+        def is_or(node: cst.CSTNode) -> bool:
+            return isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.Or)
+
+        def chain(node: cst.BaseExpression) -> list[cst.BaseExpression]:
+            # `a or b or c` parses left-associative: ((a or b) or c); an unparenthesised
+            # left `or` belongs to the same chain.
+            if is_or(node) and not node.lpar:
+                return [*chain(node.left), *chain(node.right)]
+            return [node]
+
+        class Transformer(_SiteTransformer):
+            def __init__(self, function: str) -> None:
+                super().__init__(function)
+                self._inner: set[int] = set()
+
+            def visit_BooleanOperation(self, node: cst.BooleanOperation) -> None:
+                # Only whole chains count: mark the left-nested parts of this chain.
+                if is_or(node):
+                    left = node.left
+                    while is_or(left) and not left.lpar:
+                        self._inner.add(id(left))
+                        left = left.left
+
+            def leave_BooleanOperation(
+                self, original_node: cst.BooleanOperation, updated_node: cst.BooleanOperation
+            ) -> cst.BaseExpression:
+                if not self.in_scope or not is_or(original_node) or id(original_node) in self._inner:
+                    return updated_node
+                codes = [_code(part) for part in chain(original_node.with_changes(lpar=[], rpar=[]))]
+                if codes == patched:
+                    self.applied += 1
+                elif codes == operands:
+                    self.found += 1
+                    return cst.BooleanOperation(
+                        left=updated_node.with_changes(lpar=[], rpar=[]),
+                        operator=cst.Or(),
+                        right=add,
+                        lpar=updated_node.lpar,
+                        rpar=updated_node.rpar,
+                    )
+                return updated_node
+
+        return Transformer(self.args["function"])
+
+
+@register
+class CopyDictEntry(LibcstRewriter):
+    """In the module-level dict literal assigned to ``variable``, the entry ``source_key``
+    is duplicated right after itself under ``new_key`` (same value, same layout)."""
+
+    name = "python.copy-dict-entry"
+    description = "Duplicate one entry of a module-level dict literal under a new key."
+    params = {"variable": str, "source_key": str, "new_key": str}
+    expression_params = ("source_key", "new_key")
+
+    def what(self) -> str:
+        return f"key {self.args['source_key']} of the dict {self.args['variable']}"
+
+    def transformer(self) -> _SiteTransformer:
+        variable = self.args["variable"]
+        source_key = _code(cst.parse_expression(self.args["source_key"]))
+        new_key = cst.parse_expression(self.args["new_key"])
+        new_key_code = _code(new_key)
+
+        class Transformer(_SiteTransformer):
+            def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+                targets = [t.target for t in updated_node.targets]
+                if not any(isinstance(t, cst.Name) and t.value == variable for t in targets):
+                    return updated_node
+                if not isinstance(updated_node.value, cst.Dict):
+                    return updated_node
+                elements = list(updated_node.value.elements)
+                keys = [_code(e.key) if isinstance(e, cst.DictElement) else None for e in elements]
+                if new_key_code in keys:
+                    self.applied += 1
+                    return updated_node
+                if source_key not in keys:
+                    return updated_node
+                self.found += 1
+                index = keys.index(source_key)
+                elements = _insert_after(elements, index, elements[index].with_changes(key=new_key))
+                return updated_node.with_changes(value=updated_node.value.with_changes(elements=elements))
+
+        return Transformer()

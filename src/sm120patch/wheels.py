@@ -1,0 +1,52 @@
+"""Fetch real upstream wheels (``pip download --no-deps``) into a cache shared by the
+manifest builder, the demo and the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+from sm120patch.errors import Sm120PatchError
+
+
+def default_cache() -> Path:
+    override = os.environ.get("SM120PATCH_WHEEL_CACHE")
+    if override:
+        return Path(override)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "sm120patch" / "wheels"
+
+
+def cached_wheel(distribution: str, version: str, cache: Path) -> Path | None:
+    for path in sorted(cache.glob("*.whl")):
+        try:
+            name, wheel_version, _, _ = parse_wheel_filename(path.name)
+        except ValueError:
+            continue
+        if name == canonicalize_name(distribution) and str(wheel_version) == version:
+            return path
+    return None
+
+
+def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> Path:
+    """The wheel of ``distribution==version``, downloaded once into ``cache``."""
+    cache = cache or default_cache()
+    found = cached_wheel(distribution, version, cache)
+    if found:
+        return found
+    cache.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--dest", str(cache), f"{distribution}=={version}"],
+        capture_output=True,
+        text=True,
+    )
+    found = cached_wheel(distribution, version, cache)
+    if proc.returncode != 0 or not found:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Sm120PatchError(f"could not download {distribution}=={version}: {detail}")
+    return found
