@@ -214,7 +214,9 @@ def start_probe(python: str | os.PathLike | None = None) -> Probe:
             return Probe(executable, error="no such file")
         if candidate.is_dir() or not os.access(candidate, os.X_OK):
             return Probe(executable, error="not an executable file")
-        executable = str(candidate)
+        # Absolute, but not resolved: a venv's python is a symlink to the base interpreter,
+        # and resolving it would ask the wrong environment.
+        executable = os.path.abspath(candidate)
     try:
         process = subprocess.Popen(
             [executable, "-c", _probe_source(), *PATCHABLE, *COMPANIONS],

@@ -12,7 +12,6 @@ AOT_HINT = (
     "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
     "has no SM120 code: uninstall flashinfer-jit-cache (or remove that file) so the JIT builds it"
 )
-SGLANG_AUTO_ENABLE = "only with --enable-flashinfer-allreduce-fusion; benchmark before production: fusion regressed at TP4 over PCIe upstream"
 
 
 def overall(assessment: DistributionAssessment) -> str:
@@ -72,8 +71,6 @@ def render_status(report: StatusReport) -> str:
             lines.append(f"  upstream fix: {a.patch_set.fixed_in} ({a.patch_set.upstream})")
         for note in a.patch_set.notes:
             lines.append(f"  note: {note}")
-        if a.dist.name == "sglang":
-            lines.append(f"  fusion on SM120: {SGLANG_AUTO_ENABLE}")
     lines.append("")
     lines.append(f"JIT cache: {report.jit_base / '.cache' / 'flashinfer'}")
     if report.jit_entries:

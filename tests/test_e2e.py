@@ -1,0 +1,217 @@
+"""User sessions on a real environment: flashinfer-python 0.6.4 and sglang 0.5.9 wheels,
+pip-installed into a throwaway venv. Each test reads like what an operator types."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from sm120patch.errors import ExitCode
+
+COMM = "flashinfer/jit/comm.py"
+HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+LAMPORT = "flashinfer/data/csrc/trtllm_allreduce.cu"
+COMMUNICATOR = "sglang/srt/layers/communicator.py"
+SERVER_ARGS = "sglang/srt/server_args.py"
+
+
+def supported_majors(comm_py: str) -> list[int]:
+    """The list gen_trtllm_comm_module passes as supported_major_versions, read by parsing."""
+    for node in ast.walk(ast.parse(comm_py)):
+        if isinstance(node, ast.FunctionDef) and node.name == "gen_trtllm_comm_module":
+            for kw in (k for n in ast.walk(node) if isinstance(n, ast.Call) for k in n.keywords):
+                if kw.arg == "supported_major_versions":
+                    return ast.literal_eval(kw.value)
+    raise AssertionError("gen_trtllm_comm_module has no supported_major_versions")
+
+
+def fusion_predicate_names(communicator_py: str) -> set[str]:
+    """Names in the or-condition of apply_flashinfer_allreduce_fusion's return expression."""
+    for node in ast.walk(ast.parse(communicator_py)):
+        if isinstance(node, ast.FunctionDef) and node.name == "apply_flashinfer_allreduce_fusion":
+            ors = [n for n in ast.walk(node) if isinstance(n, ast.BoolOp) and isinstance(n.op, ast.Or)]
+            return {v.id for o in ors for v in o.values if isinstance(v, ast.Name)}
+    raise AssertionError("no apply_flashinfer_allreduce_fusion")
+
+
+def test_status_on_a_fresh_install_says_not_patched(sm120patch):
+    result = sm120patch("status")
+    assert result.exit_code == ExitCode.NOT_PATCHED
+    assert "flashinfer-python 0.6.4: not patched" in result.output
+    assert "sglang 0.5.9: not patched" in result.output
+    assert "pins flashinfer-python==0.6.3; 0.6.4 is installed" in result.output
+
+
+def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, serving_env):
+    assert serving_env.record_mismatches() == []
+
+    applied = sm120patch("apply", "--flashinfer", "0.6.4", "--sglang", "0.5.9")
+    assert applied.exit_code == 0, applied.output
+    assert "flashinfer-python 0.6.4: patched 3 file(s)" in applied.output
+    assert "sglang 0.5.9: patched 1 file(s)" in applied.output
+
+    comm = serving_env.file(COMM).read_text()
+    assert supported_majors(comm) == [9, 10, 12]
+    header = serving_env.file(HEADER).read_text()
+    assert "__CUDA_ARCH__ < 1200" not in header
+    assert header.count("(defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900))") == 13
+    lamport = serving_env.file(LAMPORT).read_text()
+    assert "lamport_peer_comm_buffer_ptrs[i + tp_size" not in lamport
+    assert "lamport_peer_comm_buffer_ptrs[i + MAX_RANKS_PER_NODE]" in lamport
+    assert "lamport_peer_comm_buffer_ptrs[i + MAX_RANKS_PER_NODE * 2]" in lamport
+    assert "TVM_FFI_ICHECK(tp_size <= static_cast<int64_t>(MAX_RANKS_PER_NODE))" in lamport
+    communicator = serving_env.file(COMMUNICATOR).read_text()
+    assert "_is_sm120_supported" in fusion_predicate_names(communicator)
+    assert "_is_sm120_supported = _is_cuda and is_sm120_supported()" in communicator
+    assert sorted(serving_env.record_mismatches()) == sorted([COMM, HEADER, LAMPORT, COMMUNICATOR])
+
+    status = sm120patch("status", "--json")
+    assert status.exit_code == ExitCode.OK, status.output
+    doc = json.loads(status.output)
+    states = {(d["name"], p["id"]): p["state"] for d in doc["distributions"] for p in d["patches"]}
+    assert states == {
+        ("flashinfer-python", "jit-gate"): "applied",
+        ("flashinfer-python", "pdl-gates"): "applied",
+        ("flashinfer-python", "lamport-stride"): "applied",
+        ("sglang", "fusion-gate"): "applied",
+        ("sglang", "auto-enable"): "pristine",
+        ("sglang", "symm-mem"): "pristine",
+    }
+
+    reverted = sm120patch("revert")
+    assert reverted.exit_code == 0, reverted.output
+    assert serving_env.record_mismatches() == []
+    assert sm120patch("status").exit_code == ExitCode.NOT_PATCHED
+
+
+def test_second_apply_changes_nothing(sm120patch, serving_env):
+    assert sm120patch("apply").exit_code == 0
+    before = {p: serving_env.file(p).stat().st_mtime_ns for p in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
+    again = sm120patch("apply")
+    assert again.exit_code == 0
+    assert "nothing to change (already patched)" in again.output
+    assert {p: serving_env.file(p).stat().st_mtime_ns for p in before} == before
+
+
+def test_dry_run_prints_a_diff_and_changes_nothing(sm120patch, serving_env):
+    result = sm120patch("apply", "--dry-run", "--with", "symm-mem")
+    assert result.exit_code == 0
+    assert "+        supported_major_versions=[9, 10, 12]" in result.output
+    assert "+    12: {" in result.output
+    assert result.output.count("-#if (defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && (__CUDA_ARCH__ < 1200))") == 13
+    assert serving_env.record_mismatches() == []
+
+
+def test_apply_removes_only_trtllm_comm_from_the_jit_cache(sm120patch, serving_env):
+    kept = []
+    for arch in ("120a", "90a_120a"):
+        for module in ("trtllm_comm", "norm", "sampling"):
+            entry = serving_env.jit_entry(arch, module)
+            entry.mkdir(parents=True)
+            (entry / f"{module}.so").write_bytes(b"\x7fELF")
+            if module != "trtllm_comm":
+                kept.append(entry)
+    other_version = serving_env.jit_entry("120a", "trtllm_comm", version="0.6.3")
+    other_version.mkdir(parents=True)
+
+    result = sm120patch("apply", "--flashinfer", "0.6.4")
+    assert result.exit_code == 0
+    assert result.output.count("removed stale JIT cache entry") == 2
+    assert not serving_env.jit_entry("120a", "trtllm_comm").exists()
+    assert not serving_env.jit_entry("90a_120a", "trtllm_comm").exists()
+    assert all((entry / f"{entry.name}.so").exists() for entry in kept)
+    assert other_version.exists()  # another release's cache is not ours to touch
+
+
+def test_sglang_only_apply_keeps_the_jit_cache(sm120patch, serving_env):
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    assert sm120patch("apply", "--sglang", "0.5.9").exit_code == 0
+    assert entry.exists()
+
+
+def test_opt_in_patches_need_with(sm120patch, serving_env):
+    assert sm120patch("apply", "--sglang", "0.5.9").exit_code == 0
+    assert "is_sm120_supported()" not in serving_env.file(SERVER_ARGS).read_text().split("def _handle_model_specific_adjustments")[1][:6000]
+    result = sm120patch("apply", "--sglang", "0.5.9", "--with", "auto-enable")
+    assert result.exit_code == 0, result.output
+    assert "sglang 0.5.9: patched 1 file(s)" in result.output  # communicator.py untouched
+    assert "or is_sm120_supported())" in serving_env.file(SERVER_ARGS).read_text()
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == []
+
+
+def test_version_selector_must_match_the_installed_release(sm120patch, serving_env):
+    result = sm120patch("apply", "--flashinfer", "0.6.3")
+    assert result.exit_code == ExitCode.USAGE
+    assert "--flashinfer 0.6.3" in result.output and "flashinfer-python 0.6.4" in result.output
+    assert serving_env.record_mismatches() == []
+
+
+def test_hand_edited_file_is_refused_then_forced(sm120patch, serving_env):
+    path = serving_env.file(HEADER)
+    path.write_text(path.read_text().replace("(__CUDA_ARCH__ < 1200)", "(__CUDA_ARCH__ < 1300)", 1))
+    refused = sm120patch("apply", "--flashinfer", "0.6.4")
+    assert refused.exit_code == ExitCode.REFUSED
+    assert "is not the 0.6.4 release's bytes" in refused.output
+    assert "--force" in refused.output
+    assert serving_env.record_mismatches() == [HEADER]  # nothing else was touched
+
+    status = sm120patch("status")
+    assert status.exit_code == ExitCode.REFUSED
+    assert "pdl-gates       drifted" in status.output
+
+    # The forced rewriter needs exactly 13 pristine sites; one is hand-edited: still refused.
+    forced = sm120patch("apply", "--flashinfer", "0.6.4", "--force")
+    assert forced.exit_code == ExitCode.REFUSED
+    assert "expected 13 site(s)" in forced.output
+
+
+def test_reinstall_that_dropped_the_patches_is_reported(sm120patch, serving_env, flashinfer_wheel):
+    import subprocess
+    import sys
+
+    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(serving_env.python), "install", "--quiet", "--no-deps",
+         "--force-reinstall", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)],
+        check=True,
+    )
+    status = sm120patch("status")
+    assert "pip reinstalled the package" in status.output
+    assert "jit-gate" in status.output
+    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == []
+
+
+def test_aot_module_that_shadows_the_patched_sources_is_reported(sm120patch, serving_env):
+    aot = serving_env.file("flashinfer/data/aot/trtllm_comm/trtllm_comm.so")
+    aot.parent.mkdir(parents=True)
+    aot.write_bytes(b"\x7fELF")
+    status = sm120patch("status")
+    assert f"AOT: {aot}" in status.output
+    assert "uninstall flashinfer-jit-cache" in status.output
+    applied = sm120patch("apply")
+    assert "warning: prebuilt" in applied.output
+
+
+def test_revert_of_a_file_edited_after_patching_is_refused(sm120patch, serving_env):
+    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
+    path = serving_env.file(COMM)
+    path.write_text(path.read_text() + "\n# local tweak\n")
+    result = sm120patch("revert")
+    assert result.exit_code == ExitCode.REFUSED
+    assert "+# local tweak" in result.output  # the drift is shown as a diff
+    assert sm120patch("revert", "--force").exit_code == 0
+    assert serving_env.record_mismatches() == []
+
+
+def test_patched_file_keeps_its_mode(sm120patch, serving_env):
+    path = serving_env.file(COMM)
+    path.chmod(0o640)
+    assert sm120patch("apply").exit_code == 0
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert sm120patch("revert").exit_code == 0
+    assert path.stat().st_mode & 0o777 == 0o640

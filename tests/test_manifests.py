@@ -1,0 +1,50 @@
+"""Vendor manifests: rebuilt from the real wheels by our builder, byte-identical to the
+committed files; and consistent with the wheels' own RECORD."""
+
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+from packaging.version import Version
+
+from sm120patch.errors import PatchDataError
+from sm120patch.manifests import build_manifest, load_manifest, manifest_path, render
+from sm120patch.patchsets import load_catalog
+
+
+@pytest.mark.parametrize("name, version, wheel_fixture", [
+    ("flashinfer-python", "0.6.4", "flashinfer_wheel"),
+    ("sglang", "0.5.9", "sglang_wheel"),
+])
+def test_rebuilt_manifest_is_byte_identical(request, name, version, wheel_fixture):
+    wheel = request.getfixturevalue(wheel_fixture)
+    patch_set = load_catalog().find(name, Version(version))
+    assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
+
+
+def test_manifest_lists_pristine_and_patched_hashes():
+    manifest = load_manifest("flashinfer-python", "0.6.4")
+    comm = manifest.files["flashinfer/jit/comm.py"]
+    assert comm.pristine.startswith("b0ec8d47")
+    assert set(comm.patched) == {"jit-gate"} and comm.patched["jit-gate"] != comm.pristine
+    assert manifest.files["flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"].pristine.startswith("a012a51b")
+
+
+def test_a_wheel_whose_file_does_not_match_its_record_is_refused(tmp_path, flashinfer_wheel):
+    tampered = tmp_path / flashinfer_wheel.name
+    with zipfile.ZipFile(flashinfer_wheel) as src, zipfile.ZipFile(tampered, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "flashinfer/jit/comm.py":
+                data += b"\n"
+            dst.writestr(item, data)
+    patch_set = load_catalog().find("flashinfer-python", Version("0.6.4"))
+    with pytest.raises(PatchDataError, match="does not match the wheel's RECORD"):
+        build_manifest(tampered, patch_set)
+
+
+def test_a_wheel_of_another_release_is_refused(sglang_wheel):
+    patch_set = load_catalog().find("flashinfer-python", Version("0.6.4"))
+    with pytest.raises(PatchDataError, match="is not pinned by"):
+        build_manifest(sglang_wheel, patch_set)

@@ -1,0 +1,215 @@
+"""libcst rewriters: short inline before/after specs for each behaviour, then the real
+upstream files from the wheels."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import wheel_file
+from sm120patch.errors import PatchDataError
+from sm120patch.rewriters import AlreadyApplied, Changed, NoMatch, create
+
+
+def rewrite(rewriter: str, source: str, /, *, sites: int = 1, **params):
+    return create(rewriter, params).rewrite(textwrap.dedent(source).encode(), sites=sites)
+
+
+def assert_rewrites(rewriter: str, before: str, after: str, /, **params) -> None:
+    """``before`` becomes exactly ``after``, and rewriting ``after`` says it is already applied."""
+    result = rewrite(rewriter, before, **params)
+    assert isinstance(result, Changed), result
+    assert result.source.decode() == textwrap.dedent(after)
+    again = create(rewriter, params).rewrite(result.source, sites=result.sites)
+    assert again == AlreadyApplied(result.sites)
+
+
+EXTEND = dict(function="gen", keyword="majors", value="12")
+
+
+def test_extend_list_argument_appends_inside_the_named_function():
+    assert_rewrites(
+        "python.extend-list-argument",
+        """\
+        def gen():
+            return f(majors=[9, 10])  # keep me
+        def other():
+            return f(majors=[9, 10])
+        """,
+        """\
+        def gen():
+            return f(majors=[9, 10, 12])  # keep me
+        def other():
+            return f(majors=[9, 10])
+        """,
+        **EXTEND,
+    )
+
+
+def test_extend_list_argument_refuses_a_wrong_site_count():
+    result = rewrite("python.extend-list-argument", "def gen():\n    f(majors=[9])\n    f(majors=[10])\n", **EXTEND)
+    assert isinstance(result, NoMatch)
+    assert "expected 1 site(s)" in result.reason and "found 2" in result.reason
+
+
+def test_extend_list_argument_refuses_half_applied_sources():
+    result = rewrite(
+        "python.extend-list-argument", "def gen():\n    f(majors=[9, 12])\n    f(majors=[9])\n", sites=2, **EXTEND
+    )
+    assert isinstance(result, NoMatch)
+    assert "found 1 to patch and 1 already patched" in result.reason
+
+
+def test_add_import_name_keeps_one_name_per_line():
+    assert_rewrites(
+        "python.add-import-name",
+        """\
+        from pkg.utils import (
+            is_a,
+            is_b,
+        )
+        """,
+        """\
+        from pkg.utils import (
+            is_a,
+            is_b,
+            is_c,
+        )
+        """,
+        module="pkg.utils", name="is_c", after="is_b",
+    )
+
+
+def test_add_import_name_on_one_line():
+    assert_rewrites(
+        "python.add-import-name", "from m import a, b\n", "from m import a, c, b\n", module="m", name="c", after="a"
+    )
+
+
+def test_add_import_name_needs_the_anchor():
+    result = rewrite("python.add-import-name", "from m import a\n", module="m", name="c", after="z")
+    assert isinstance(result, NoMatch)
+
+
+def test_insert_statement_after_the_anchor_assignment():
+    assert_rewrites(
+        "python.insert-statement-after",
+        "x = 1\ny = f()\nz = 3\n",
+        "x = 1\ny = f()\nnew = y and g()\nz = 3\n",
+        anchor="y", statement="new = y and g()",
+    )
+
+
+def test_extend_or_condition_keeps_parentheses_and_only_whole_chains():
+    assert_rewrites(
+        "python.extend-or-condition",
+        """\
+        def pred():
+            return (
+                # comment stays
+                (a or b)
+                and c
+            )
+        def other():
+            return a or b
+        """,
+        """\
+        def pred():
+            return (
+                # comment stays
+                (a or b or n)
+                and c
+            )
+        def other():
+            return a or b
+        """,
+        function="pred", operands=["a", "b"], add="n",
+    )
+    longer = rewrite("python.extend-or-condition", "def pred():\n    return a or b or z\n",
+                     function="pred", operands=["a", "b"], add="n")
+    assert isinstance(longer, NoMatch)  # `a or b` is only part of that chain
+
+
+def test_extend_or_condition_matches_calls_by_meaning():
+    assert_rewrites(
+        "python.extend-or-condition",
+        "def h(self):\n    if x and (is_a()  or  is_b()):\n        pass\n",
+        "def h(self):\n    if x and (is_a()  or  is_b() or is_c()):\n        pass\n",
+        function="h", operands=["is_a()", "is_b()"], add="is_c()",
+    )
+
+
+def test_copy_dict_entry_keeps_the_layout():
+    assert_rewrites(
+        "python.copy-dict-entry",
+        """\
+        SIZES = {
+            9: {2: 1},
+            10: {
+                2: 64,  # MB
+            },
+        }
+        """,
+        """\
+        SIZES = {
+            9: {2: 1},
+            10: {
+                2: 64,  # MB
+            },
+            12: {
+                2: 64,  # MB
+            },
+        }
+        """,
+        variable="SIZES", source_key="10", new_key="12",
+    )
+
+
+def test_source_that_does_not_parse_is_no_match():
+    result = rewrite("python.extend-list-argument", "def gen(:\n", **EXTEND)
+    assert isinstance(result, NoMatch) and "does not parse" in result.reason
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("python.nope", {}, "unknown rewriter"),
+        ("python.extend-list-argument", {"function": "f", "keyword": "k"}, "missing parameter(s) value"),
+        ("python.extend-list-argument", {**EXTEND, "extra": 1}, "unknown parameter(s) extra"),
+        ("python.extend-list-argument", {**EXTEND, "value": "1 +"}, "not a Python expression"),
+        ("python.extend-or-condition", {"function": "f", "operands": "a", "add": "b"}, "list of strings"),
+        ("python.insert-statement-after", {"anchor": "x", "statement": "def ("}, "not a Python statement"),
+    ],
+)
+def test_bad_parameters_are_patch_data_errors(name, params, message):
+    with pytest.raises(PatchDataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        create(name, params)
+
+
+def test_jit_gate_on_the_real_comm_py(flashinfer_wheel):
+    source = wheel_file(flashinfer_wheel, "flashinfer/jit/comm.py")
+    result = create("python.extend-list-argument", EXTEND | {"function": "gen_trtllm_comm_module",
+                                                             "keyword": "supported_major_versions"}).rewrite(source, sites=1)
+    assert isinstance(result, Changed)
+    changed = [(a, b) for a, b in zip(source.decode().splitlines(), result.source.decode().splitlines()) if a != b]
+    assert changed == [("        supported_major_versions=[9, 10]", "        supported_major_versions=[9, 10, 12]")]
+    # gen_trtllm_mnnvl_comm_module and the rest of the file are untouched byte for byte
+    assert len(source) + len(", 12") == len(result.source)
+
+
+def test_fusion_gate_edits_on_the_real_communicator(sglang_wheel):
+    source = wheel_file(sglang_wheel, "sglang/srt/layers/communicator.py")
+    for name, params in [
+        ("python.add-import-name", dict(module="sglang.srt.utils", name="is_sm120_supported", after="is_sm100_supported")),
+        ("python.insert-statement-after", dict(anchor="_is_sm100_supported", statement="_is_sm120_supported = _is_cuda and is_sm120_supported()")),
+        ("python.extend-or-condition", dict(function="apply_flashinfer_allreduce_fusion", operands=["_is_sm90_supported", "_is_sm100_supported"], add="_is_sm120_supported")),
+    ]:
+        result = create(name, params).rewrite(source, sites=1)
+        assert isinstance(result, Changed), (name, result)
+        added = len(result.source.decode().splitlines()) - len(source.decode().splitlines())
+        assert added in (0, 1), name  # one new line, or one line changed in place
+        source = result.source
+    text = source.decode()
+    assert "    is_sm100_supported,\n    is_sm120_supported,\n)" in text
+    assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in text
