@@ -197,6 +197,22 @@ def test_aot_module_that_shadows_the_patched_sources_is_reported(sm120patch, ser
     assert "warning: prebuilt" in applied.output
 
 
+def test_flashinfer_jit_cache_with_a_prebuilt_trtllm_comm_is_reported(sm120patch, serving_env):
+    """flashinfer-jit-cache (a separate, multi-GB distribution) is stood in for by its
+    metadata: what sm120patch reads is its RECORD, which lists the prebuilt module."""
+    dist_info = serving_env.site_packages / "flashinfer_jit_cache-0.6.4+cu130.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashinfer-jit-cache\nVersion: 0.6.4+cu130\n")
+    (dist_info / "RECORD").write_text(
+        "flashinfer_jit_cache/jit_cache/trtllm_comm/trtllm_comm.so,,\n"
+        "flashinfer_jit_cache-0.6.4+cu130.dist-info/RECORD,,\n"
+    )
+    status = sm120patch("status", "--json")
+    (shadow,) = json.loads(status.output)["aot_shadowing"]
+    assert shadow["source"] == "flashinfer-jit-cache 0.6.4+cu130"
+    assert shadow["path"].endswith("flashinfer_jit_cache/jit_cache/trtllm_comm/trtllm_comm.so")
+
+
 def test_revert_of_a_file_edited_after_patching_is_refused(sm120patch, serving_env):
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
     path = serving_env.file(COMM)
