@@ -131,3 +131,26 @@ def sm120patch(serving_env) -> Session:
 def _isolated_state(monkeypatch):
     monkeypatch.delenv("SM120PATCH_STATE_DIR", raising=False)
     monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)
+
+
+# Enough of FlashInfer 0.6.4's dependencies for `flashinfer.jit.comm` (DESIGN.md §5); torch
+# 2.13.0 is the CPU build this machine kind keeps on disk.
+RUNTIME_REQUIREMENTS = ["torch==2.13.0", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0.2,>=0.1.6", "ninja", "packaging",
+                        "numpy", "tqdm", "requests", "einops", "tabulate", "click", "nvidia-ml-py", "filelock"]
+
+
+@pytest.fixture(scope="session")
+def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
+    """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
+    dependencies it needs, then the real wheels without dependencies). Tests that patch it
+    revert before they end."""
+    root = tmp_path_factory.mktemp("runtime") / "venv"
+    python = make_venv(root, [flashinfer_wheel, sglang_wheel])
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+         "--disable-pip-version-check", *RUNTIME_REQUIREMENTS],
+        check=True,
+    )
+    home = root.parent / "home"
+    home.mkdir()
+    return ServingEnv(root, home)

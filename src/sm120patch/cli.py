@@ -135,6 +135,66 @@ def revert(flashinfer, sglang, python, force, jit_cache_base, as_json):
     click.echo(json.dumps(report.change_json(result), indent=2) if as_json else report.render_change(result))
 
 
+@cli.command(epilog=EXIT_CODES)
+@python_option
+@click.option("--runtime", is_flag=True,
+              help="Ask FlashInfer's own JIT (in the target interpreter, needs torch) for trtllm_comm with "
+              "FLASHINFER_CUDA_ARCH_LIST=12.0a; import SGLang's patched module where it can be imported.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Compile the lamport kernel from the installed headers with nvcc to PTX: sm_120a must "
+              "contain griddepcontrol, sm_90a/sm_100a must equal the release's PTX (no GPU needed).")
+@click.option("--build", is_flag=True,
+              help="Run FlashInfer's own JIT build of trtllm_comm for sm_120a in a temporary workspace "
+              "(minutes; without a CUDA driver it compiles but cannot link).")
+@jit_option
+@json_option
+@handle_errors
+def verify(python, runtime, compile_, build, jit_cache_base, as_json):
+    """Prove the patched state: manifest hashes and semantic checks (always), and optionally a
+    runtime, a compile and a build check. Exit 0 when every check that ran passed, else 1."""
+    from sm120patch import environment
+
+    probe = environment.start_probe(python)
+    from sm120patch import actions, jitcache, patchsets, report, verify as checks
+
+    env = probe.result()
+    status_report = actions.collect_status(env, patchsets.load_catalog(check_rewriters=False), jit_base=jitcache.cache_base(jit_cache_base))
+    results = [r for s in status_report.distributions for r in checks.static_checks(s)]
+    progress = None if as_json else (lambda text: click.echo(text, err=True))
+    if runtime:
+        results += checks.runtime_checks(env.executable, with_sglang=env.get("sglang") is not None)
+    flashinfer = [s for s in status_report.distributions if s.assessment.dist.name == "flashinfer-python"]
+    if compile_:
+        results += [r for s in flashinfer for r in checks.compile_checks(s, progress=progress)]
+    if build:
+        results += checks.build_check(env.executable, progress=progress)
+    click.echo(json.dumps(report.verify_json(env, results), indent=2) if as_json else report.render_verify(env, results))
+    sys.exit(int(report.verify_exit_code(results)))
+
+
+@cli.command()
+@python_option
+@jit_option
+@json_option
+@handle_errors
+def doctor(python, jit_cache_base, as_json):
+    """Check the machine and environment: GPUs and compute capability, driver and CUDA toolkit,
+    PCIe-only topology, AOT shadowing, version pins, upstream fixes, SGLang's fusion default.
+    Works without a GPU or nvidia-smi (it says so). Exit 0 unless an error stops it."""
+    from sm120patch import environment
+
+    probe = environment.start_probe(python)
+    from sm120patch import actions, doctor as checks, jitcache, patchsets
+
+    result = checks.DoctorReport()
+    checks.examine_machine(result)
+    env = probe.result()
+    status_report = actions.collect_status(env, patchsets.load_catalog(check_rewriters=False),
+                                           jit_base=jitcache.cache_base(jit_cache_base))
+    checks.examine_environment(result, status_report)
+    click.echo(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
+
+
 @cli.group()
 def manifest() -> None:
     """Build the vendor manifests from the real upstream wheels (maintainers)."""

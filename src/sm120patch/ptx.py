@@ -27,13 +27,15 @@ template __global__ void rf::lamport_style_one_shot_all_reduce_norm_kernel<
 
 
 def find_nvcc() -> Path | None:
-    """nvcc the way FlashInfer finds it: $CUDA_HOME/bin/nvcc, else PATH, else /usr/local/cuda."""
+    """nvcc exactly where FlashInfer's JIT looks: ``$CUDA_HOME`` (or ``$CUDA_PATH``) when set,
+    else the nvcc on PATH, else /usr/local/cuda."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
-    on_path = shutil.which("nvcc")
-    candidates += [Path(on_path)] if on_path else []
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    return next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+    if cuda_home:
+        candidate = Path(cuda_home) / "bin" / "nvcc"
+    else:
+        on_path = shutil.which("nvcc")
+        candidate = Path(on_path) if on_path else Path("/usr/local/cuda/bin/nvcc")
+    return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
 
 
 def compile_ptx(data_dir: Path, arch: str, *, nvcc: Path | None = None) -> str:
@@ -41,7 +43,7 @@ def compile_ptx(data_dir: Path, arch: str, *, nvcc: Path | None = None) -> str:
     ``flashinfer/data``: its include, spdlog and cutlass headers)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
-        raise Sm120PatchError("nvcc not found (looked in $CUDA_HOME/bin, PATH, /usr/local/cuda/bin)")
+        raise Sm120PatchError("nvcc not found ($CUDA_HOME/bin when set, else PATH, else /usr/local/cuda/bin)")
     with tempfile.TemporaryDirectory(prefix="sm120patch-ptx-") as tmp:
         source, output = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.ptx"
         source.write_text(KERNEL_TU)

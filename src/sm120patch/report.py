@@ -190,3 +190,28 @@ def change_json(report: ChangeReport) -> dict:
         "jit_cache_removed": [str(p) for p in report.jit_removed],
         "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
     }
+
+
+def verify_exit_code(results) -> ExitCode:
+    ran = [r for r in results if r.ok is not None]
+    return ExitCode.OK if ran and all(r.ok for r in ran) else ExitCode.NOT_PATCHED
+
+
+def render_verify(env, results) -> str:
+    lines = [f"Python {env.executable} ({env.python_version})"]
+    if not results:
+        lines.append("  nothing to verify: neither flashinfer-python nor sglang is installed here")
+    for r in results:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[r.ok]
+        lines.append(f"{mark}  {r.kind:<8} {r.subject}: {r.detail}")
+    code = verify_exit_code(results)
+    lines.append("verified" if code is ExitCode.OK else "NOT verified")
+    return "\n".join(lines)
+
+
+def verify_json(env, results) -> dict:
+    return {
+        "python": str(env.executable),
+        "verified": verify_exit_code(results) is ExitCode.OK,
+        "checks": [{"kind": r.kind, "subject": r.subject, "ok": r.ok, "detail": r.detail} for r in results],
+    }

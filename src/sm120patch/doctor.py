@@ -1,0 +1,219 @@
+"""`sm120patch doctor`: the machine and the environment, as they bear on fused allreduce on
+SM120: GPUs and compute capability, driver and toolkit versions, PCIe-only topology, AOT
+shadowing, the SGLang <-> FlashInfer pin, releases that fix it upstream, and whether the
+installed SGLang turns fusion on by itself. Every part reports what it could not find and the
+rest goes on."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from sm120patch.actions import StatusReport
+from sm120patch.report import overall
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# SM120 needs CUDA 12.8 (sm_120a); FlashInfer >= 0.6.7 targets 120f, which needs 12.9.
+MIN_CUDA_SM120 = Version("12.8")
+MIN_CUDA_120F = Version("12.9")
+FLASHINFER_USES_120F = Version("0.6.7")
+# SGLang 0.5.4.post2-0.5.7 enable fusion through is_blackwell_supported() (majors 10 and 12):
+# there, a patched FlashInfer turns fusion on without the user asking.
+SGLANG_AUTO_ENABLES_ON_SM120 = SpecifierSet(">=0.5.4.post2,<=0.5.7")
+PCIE_WARNING = (
+    "GPUs talk over PCIe only (no NVLink): upstream measured a TP4 regression with fusion over PCIe "
+    "(sglang PR #32330, closed), and one 8-GPU PCIe box ran far slower with fusion on; benchmark "
+    "with and without --enable-flashinfer-allreduce-fusion before production"
+)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    compute_cap: str
+    driver: str
+    memory: str
+    bus_id: str
+
+    @property
+    def major(self) -> int | None:
+        try:
+            return int(self.compute_cap.split(".")[0])
+        except ValueError:
+            return None
+
+
+def parse_gpu_query(text: str) -> list[Gpu]:
+    """``nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,pci.bus_id --format=csv``."""
+    rows = [r for r in csv.reader(io.StringIO(text.strip()), skipinitialspace=True) if r]
+    if not rows or not rows[0] or not rows[0][0].startswith("name"):
+        raise ValueError("not nvidia-smi --query-gpu CSV output (no 'name' header)")
+    return [Gpu(i, *[c.strip() for c in row[:5]]) for i, row in enumerate(rows[1:]) if len(row) >= 5]
+
+
+def parse_cuda_version(nvidia_smi_text: str) -> str | None:
+    """The driver's CUDA version from plain ``nvidia-smi`` ("CUDA Version: 13.0")."""
+    match = re.search(r"CUDA Version:\s*([0-9.]+)", nvidia_smi_text)
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class Topology:
+    gpus: list[str]
+    links: dict[tuple[str, str], str] = field(default_factory=dict)  # (GPUi, GPUj) -> PIX/NV4/...
+
+    @property
+    def nvlink_pairs(self) -> list[tuple[str, str]]:
+        return [pair for pair, link in self.links.items() if link.startswith("NV")]
+
+    @property
+    def pcie_only(self) -> bool:
+        return len(self.gpus) > 1 and not self.nvlink_pairs
+
+
+def parse_topology(text: str) -> Topology:
+    """``nvidia-smi topo -m``: the GPU-to-GPU part of the matrix (ANSI codes stripped)."""
+    lines = [ANSI.sub("", line).rstrip() for line in text.splitlines()]
+    header = next((line for line in lines if line.strip().startswith("GPU0")), None)
+    if header is None:
+        raise ValueError("not nvidia-smi topo -m output (no GPU0 header)")
+    columns = [c.strip() for c in header.strip().split("\t")]
+    gpus = [c for c in columns if re.fullmatch(r"GPU\d+", c)]
+    links = {}
+    for line in lines:
+        cells = [c.strip() for c in line.split("\t")]
+        if cells and re.fullmatch(r"GPU\d+", cells[0]):
+            for column, cell in zip(gpus, cells[1:]):
+                if column != cells[0]:
+                    links[(cells[0], column)] = cell
+    return Topology(gpus, links)
+
+
+def parse_nvcc_version(text: str) -> str | None:
+    match = re.search(r"release (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+@dataclass
+class Finding:
+    level: str  # ok / info / warn
+    text: str
+
+
+@dataclass
+class DoctorReport:
+    gpus: list[Gpu] = field(default_factory=list)
+    topology: Topology | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    def add(self, level: str, text: str) -> None:
+        self.findings.append(Finding(level, text))
+
+
+def _run(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def examine_machine(report: DoctorReport) -> None:
+    query = _run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version,memory.total,pci.bus_id", "--format=csv"])
+    if query is None:
+        report.add("info", "nvidia-smi not found or it failed: no GPU or driver information on this machine")
+    else:
+        try:
+            report.gpus = parse_gpu_query(query)
+        except ValueError as exc:
+            report.add("warn", f"could not read nvidia-smi's GPU list: {exc}")
+        for gpu in report.gpus:
+            note = "SM120: the patched trtllm_comm targets it" if gpu.major == 12 else (
+                "SM90/SM100: upstream FlashInfer supports it without patches" if gpu.major in (9, 10) else "")
+            report.add("ok" if gpu.major == 12 else "info",
+                       f"GPU{gpu.index}: {gpu.name}, compute capability {gpu.compute_cap}, {gpu.memory}, bus {gpu.bus_id}"
+                       + (f" ({note})" if note else ""))
+        if report.gpus:
+            report.add("info", f"driver {report.gpus[0].driver}"
+                       + (f", CUDA {cuda} (driver API)" if (cuda := parse_cuda_version(_run(["nvidia-smi"]) or "")) else ""))
+        topo_text = _run(["nvidia-smi", "topo", "-m"])
+        if topo_text:
+            try:
+                report.topology = parse_topology(topo_text)
+            except ValueError as exc:
+                report.add("warn", f"could not read nvidia-smi topo -m: {exc}")
+        if report.topology is not None:
+            topo = report.topology
+            if len(topo.gpus) < 2:
+                report.add("info", "one GPU: fused allreduce needs 2, 4, 8 or 16 ranks")
+            elif topo.pcie_only:
+                report.add("warn", PCIE_WARNING)
+            else:
+                report.add("ok", f"NVLink between {len(topo.nvlink_pairs) // 2} GPU pair(s)")
+    nvcc = _run(["nvcc", "--version"])
+    version = parse_nvcc_version(nvcc) if nvcc else None
+    if version is None:
+        report.add("info", "nvcc not found on PATH: FlashInfer's JIT needs the CUDA toolkit (>= 12.8 for SM120)")
+    else:
+        v = Version(version)
+        if v < MIN_CUDA_SM120:
+            report.add("warn", f"CUDA toolkit {version}: SM120 needs >= {MIN_CUDA_SM120}")
+        elif v < MIN_CUDA_120F:
+            report.add("warn", f"CUDA toolkit {version}: enough for sm_120a; FlashInfer >= {FLASHINFER_USES_120F} targets 120f, which needs >= {MIN_CUDA_120F}")
+        else:
+            report.add("ok", f"CUDA toolkit {version} (nvcc): enough for sm_120a and 120f")
+
+
+def examine_environment(report: DoctorReport, status: StatusReport) -> None:
+    for s in status.distributions:
+        a = s.assessment
+        report.add("ok" if overall(a) in ("patched", "fixed upstream") else "info",
+                   f"{a.dist.name} {a.dist.raw_version}: {overall(a)}" + (f" ({a.reason})" if a.reason else ""))
+        if a.patch_set is not None and a.patch_set.fixed_in:
+            report.add("info", f"{a.dist.name} {a.patch_set.fixed_in} and later support SM120 here natively ({a.patch_set.upstream})")
+        if a.dist.name == "sglang" and a.dist.version is not None:
+            try:
+                auto = a.dist.version in SGLANG_AUTO_ENABLES_ON_SM120
+            except InvalidVersion:
+                auto = False
+            if auto:
+                report.add("warn", f"sglang {a.dist.raw_version} turns fusion on by itself on SM120 (is_blackwell_supported()): "
+                           "with a patched FlashInfer it runs without --enable-flashinfer-allreduce-fusion")
+            else:
+                report.add("info", f"sglang {a.dist.raw_version} uses fusion on SM120 only with --enable-flashinfer-allreduce-fusion"
+                           " (or the opt-in patch auto-enable)")
+    if not status.distributions:
+        report.add("info", "neither flashinfer-python nor sglang is installed in this environment")
+    for shadow in status.aot:
+        report.add("warn", f"prebuilt {shadow.path} ({shadow.source}) shadows the patched sources: uninstall flashinfer-jit-cache or remove it")
+    if status.pin_mismatch:
+        report.add("info", status.pin_mismatch)
+    for entry in status.stale_jit:
+        report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")
+
+
+def render(report: DoctorReport) -> str:
+    marks = {"ok": "ok  ", "info": "info", "warn": "WARN"}
+    return "\n".join(f"{marks[f.level]}  {f.text}" for f in report.findings)
+
+
+def to_json(report: DoctorReport) -> dict:
+    return {
+        "gpus": [g.__dict__ for g in report.gpus],
+        "topology": None if report.topology is None else {
+            "gpus": report.topology.gpus,
+            "pcie_only": report.topology.pcie_only,
+            "links": {f"{a}-{b}": link for (a, b), link in report.topology.links.items()},
+        },
+        "findings": [f.__dict__ for f in report.findings],
+    }

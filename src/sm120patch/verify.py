@@ -1,0 +1,199 @@
+"""`sm120patch verify`: prove the patched state, three ways.
+
+- static (always): each patched file's sha256 against the vendor manifest, and a semantic
+  check per patch that depends on neither hashes nor rewriters (see semantics.py);
+- runtime: FlashInfer's own ``gen_trtllm_comm_module()`` in the target interpreter with
+  ``FLASHINFER_CUDA_ARCH_LIST=12.0a``: pristine raises the ``[9, 10]`` error, patched targets
+  ``sm_120a``;
+- compile: the lamport kernel from the installed headers compiled to PTX (see ptx.py):
+  ``sm_120a`` must contain ``griddepcontrol``; ``sm_90a`` and ``sm_100a`` must be identical to
+  the PTX from the release's header (kept by sm120patch as the original).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from sm120patch import ptx
+from sm120patch.actions import DistributionStatus
+from sm120patch.errors import Sm120PatchError
+from sm120patch.plan import FileState, PatchState
+from sm120patch.semantics import CHECKS
+
+RUNTIME_ARCH_LIST = "12.0a"
+PTX_ARCHS = ("120a", "90a", "100a")
+HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    kind: str  # static / semantic / runtime / compile
+    subject: str
+    ok: bool | None  # None: skipped
+    detail: str
+
+
+def static_checks(status: DistributionStatus) -> list[CheckResult]:
+    a = status.assessment
+    if a.patch_set is None:
+        return [CheckResult("static", a.dist.name, None if a.fixed_upstream else False, a.reason)]
+    results = []
+    for patch in a.patch_set.patches:
+        state = a.patch_state(patch)
+        if not patch.required and state is PatchState.PRISTINE:
+            continue  # an opt-in patch nobody asked for
+        fa = a.files[patch.file]
+        results.append(CheckResult(
+            "static", f"{a.dist.name} {patch.id}", state is PatchState.APPLIED,
+            f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is PatchState.APPLIED else ""),
+        ))
+        semantic = CHECKS.get(patch.id)
+        if semantic is not None and fa.state is not FileState.MISSING:
+            try:
+                ok, detail = semantic(fa.path.read_text(encoding="utf-8"))
+            except (OSError, SyntaxError, ValueError) as exc:
+                ok, detail = False, f"cannot read {patch.file} ({exc})"
+            results.append(CheckResult("semantic", f"{a.dist.name} {patch.id}", ok, detail))
+    return results
+
+
+def runtime_checks(python: Path, *, with_sglang: bool) -> list[CheckResult]:
+    script = (Path(__file__).with_name("_runtime_probe.py")).read_text(encoding="utf-8")
+    env = dict(os.environ, FLASHINFER_CUDA_ARCH_LIST=RUNTIME_ARCH_LIST)
+    proc = subprocess.run(
+        [str(python), "-c", script, *(["sglang"] if with_sglang else [])],
+        capture_output=True, text=True, env=env, cwd="/", timeout=600,
+    )
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return [CheckResult("runtime", "flashinfer-python", False, f"the runtime probe failed: {tail}")]
+    results = []
+    fi = out["flashinfer"]
+    subject = f"flashinfer gen_trtllm_comm_module() with FLASHINFER_CUDA_ARCH_LIST={RUNTIME_ARCH_LIST}"
+    if "skipped" in fi:
+        results.append(CheckResult("runtime", subject, None, fi["skipped"]))
+    elif "error" in fi:
+        results.append(CheckResult("runtime", subject, False, f"raises {fi['error']}"))
+    else:
+        targets = [f for f in fi["flags"] if f.startswith("-gencode=")]
+        results.append(CheckResult("runtime", subject, any("sm_120a" in f for f in targets), "nvcc targets: " + " ".join(targets)))
+    sg = out.get("sglang")
+    if sg is not None:
+        if "skipped" in sg:
+            results.append(CheckResult("runtime", "sglang communicator import", None, sg["skipped"]))
+        else:
+            results.append(CheckResult("runtime", "sglang communicator import", sg["has_sm120_flag"],
+                                       "module has _is_sm120_supported" if sg["has_sm120_flag"] else "no SM120 flag"))
+    return results
+
+
+def _pristine_include_tree(data_dir: Path, original_header: bytes, into: Path) -> Path:
+    """A mirror of ``data_dir/include`` (symlinks) whose trtllm_allreduce.cuh is the release's.
+    Relative includes resolve against the directory a file was named through, so the mirror
+    behaves exactly like the installed tree."""
+    include = data_dir / "include"
+    for directory, _, files in os.walk(include):
+        target_dir = into / "include" / Path(directory).relative_to(include)
+        target_dir.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            (target_dir / name).symlink_to(Path(directory) / name)
+    header = into / "include" / "flashinfer" / "comm" / "trtllm_allreduce.cuh"
+    header.unlink()
+    header.write_bytes(original_header)
+    for other in ("spdlog", "cutlass"):
+        (into / other).symlink_to(data_dir / other)
+    return into
+
+
+def compile_checks(status: DistributionStatus, *, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    a = status.assessment
+    nvcc = ptx.find_nvcc()
+    if nvcc is None:
+        return [CheckResult("compile", "nvcc PTX", None, "nvcc not found ($CUDA_HOME/bin when set, else PATH, else /usr/local/cuda/bin): install the CUDA toolkit (>= 12.8) or set CUDA_HOME")]
+    data_dir = a.dist.location / "flashinfer" / "data"
+    header = a.files.get(HEADER)
+    if header is None:
+        return [CheckResult("compile", "nvcc PTX", None, "this release's patch set does not touch trtllm_allreduce.cuh")]
+    original = a.state.original(HEADER)
+    reference = original.read_bytes() if header.state is FileState.APPLIED and original.exists() else None
+
+    def build(arch: str, tree: Path, label: str) -> str:
+        if progress:
+            progress(f"compiling sm_{arch} PTX from the {label} header with {nvcc} ...")
+        start = time.monotonic()
+        text = ptx.compile_ptx(tree, arch, nvcc=nvcc)
+        if progress:
+            progress(f"  sm_{arch} ({label}): {time.monotonic() - start:.1f} s, {ptx.griddepcontrol_count(text)} griddepcontrol")
+        return text
+
+    results = []
+    try:
+        installed = {arch: build(arch, data_dir, "installed") for arch in PTX_ARCHS}
+        count = ptx.griddepcontrol_count(installed["120a"])
+        results.append(CheckResult("compile", "sm_120a lamport kernel PTX", count > 0,
+                                   f"{count} griddepcontrol instruction(s)" + ("" if count else ": the kernel body is compiled out")))
+        if reference is None:
+            detail = "installed header is the release's" if header.state is FileState.PRISTINE else "no saved original to compare with"
+            for arch in PTX_ARCHS[1:]:
+                results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", None if header.state is not FileState.PRISTINE else True, detail))
+            return results
+        with tempfile.TemporaryDirectory(prefix="sm120patch-pristine-") as tmp:
+            tree = _pristine_include_tree(data_dir, reference, Path(tmp))
+            for arch in PTX_ARCHS[1:]:
+                same = build(arch, tree, "release") == installed[arch]
+                results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", same,
+                                           "byte-identical to the release header's PTX" if same else "PTX differs from the release header's"))
+    except Sm120PatchError as exc:
+        results.append(CheckResult("compile", "nvcc PTX", False, exc.message))
+    return results
+
+
+def build_check(python: Path, *, arch_list: str = "12.0a", progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """FlashInfer's own JIT build of trtllm_comm into a temporary workspace; linking and
+    loading need libcuda (a driver), so without one the objects are compiled and that is said."""
+    script = """
+import ctypes.util, json, os
+import flashinfer.jit.comm as comm
+spec = comm.gen_trtllm_comm_module()
+out = {"build_dir": str(spec.build_dir), "sources": len(spec.sources), "libcuda": ctypes.util.find_library("cuda")}
+try:
+    spec.build_and_load()
+    out["loaded"] = True
+except Exception as exc:
+    out["loaded"] = False
+    out["error"] = "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+out["objects"] = sorted(p for p in os.listdir(spec.build_dir) if p.endswith(".o"))
+out["library"] = os.path.exists(spec.jit_library_path)
+print(json.dumps(out))
+"""
+    with tempfile.TemporaryDirectory(prefix="sm120patch-build-") as workspace:
+        env = dict(os.environ, FLASHINFER_CUDA_ARCH_LIST=arch_list, FLASHINFER_WORKSPACE_BASE=workspace)
+        if progress:
+            progress(f"building trtllm_comm for {arch_list} with FlashInfer's JIT (minutes) ...")
+        start = time.monotonic()
+        proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, cwd="/")
+        elapsed = time.monotonic() - start
+        try:
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return [CheckResult("build", f"trtllm_comm JIT build ({arch_list})", False, tail)]
+    subject = f"trtllm_comm JIT build ({arch_list})"
+    objects, sources = len(out["objects"]), out["sources"]
+    if out["loaded"]:
+        return [CheckResult("build", subject, True, f"built and loaded in {elapsed:.0f} s ({objects} objects)")]
+    if objects == sources and not out["libcuda"]:
+        # Every source compiled; the link step needs libcuda, which only a machine with a driver has.
+        return [CheckResult("build", subject, True,
+                            f"compiled all {sources} sources in {elapsed:.0f} s; not linked or loaded: "
+                            "no CUDA driver (libcuda) on this machine")]
+    return [CheckResult("build", subject, False, f"{out.get('error')} after {elapsed:.0f} s ({objects} of {sources} objects)")]

@@ -1,0 +1,82 @@
+"""verify: static (hashes + semantics), runtime (FlashInfer's own JIT spec in the target
+interpreter) and compile (nvcc PTX) checks, failing before apply and passing after."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import Session
+from sm120patch.errors import ExitCode
+from sm120patch.ptx import find_nvcc
+from sm120patch.semantics import CHECKS
+
+from test_e2e import COMM, HEADER, LAMPORT
+
+
+def checks(result) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["subject"]): c for c in json.loads(result.output)["checks"]}
+
+
+def test_static_verify_fails_pristine_and_passes_patched(sm120patch):
+    pristine = sm120patch("verify", "--json")
+    assert pristine.exit_code == ExitCode.NOT_PATCHED
+    found = checks(pristine)
+    assert found[("static", "flashinfer-python jit-gate")]["ok"] is False
+    assert found[("semantic", "flashinfer-python pdl-gates")]["detail"].startswith("13 '__CUDA_ARCH__ < 1200' bound(s) left")
+
+    assert sm120patch("apply").exit_code == 0
+    patched = sm120patch("verify")
+    assert patched.exit_code == ExitCode.OK, patched.output
+    assert "FAIL" not in patched.output and patched.output.rstrip().endswith("verified")
+    assert "PASS  semantic sglang fusion-gate: fusion predicate: _is_sm90_supported or _is_sm100_supported or _is_sm120_supported" in patched.output
+
+
+def test_semantic_checks_do_not_trust_hashes(sm120patch, serving_env):
+    """A hand edit that removes the gates by other means passes the semantic check and fails
+    the hash check: the two are independent."""
+    path = serving_env.file(HEADER)
+    path.write_text("// rebuilt locally\n" + path.read_text().replace(" && (__CUDA_ARCH__ < 1200)", ""))
+    found = checks(sm120patch("verify", "--json"))
+    assert found[("static", "flashinfer-python pdl-gates")]["ok"] is False
+    assert found[("semantic", "flashinfer-python pdl-gates")]["ok"] is True
+
+
+@pytest.mark.parametrize("patch_id, relpath", [("jit-gate", COMM), ("lamport-stride", LAMPORT)])
+def test_semantic_checks_on_the_real_pristine_files(serving_env, patch_id, relpath):
+    ok, detail = CHECKS[patch_id](serving_env.file(relpath).read_text())
+    assert ok is False and detail
+
+
+def test_compile_check_without_nvcc_says_so(sm120patch, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # a toolkit location without nvcc
+    result = sm120patch("verify", "--compile")
+    assert "SKIP  compile  nvcc PTX: nvcc not found" in result.output
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
+def test_runtime_and_compile_verify_fail_before_apply_and_pass_after(runtime_env):
+    session = Session(runtime_env)
+    before = session("verify", "--runtime", "--compile", "--json")
+    assert before.exit_code == ExitCode.NOT_PATCHED
+    found = checks(before)
+    runtime = next(c for (kind, _), c in found.items() if kind == "runtime" and "gen_trtllm_comm_module" in c["subject"])
+    assert runtime["ok"] is False
+    assert "No supported CUDA architectures found for major versions [9, 10]" in runtime["detail"]
+    assert found[("compile", "sm_120a lamport kernel PTX")]["ok"] is False
+    assert found[("runtime", "sglang communicator import")]["ok"] is None  # sglang's deps absent: skipped, said why
+
+    assert session("apply").exit_code == 0
+    try:
+        after = session("verify", "--runtime", "--compile", "--json")
+        assert after.exit_code == ExitCode.OK, after.output
+        found = checks(after)
+        runtime = next(c for (kind, _), c in found.items() if kind == "runtime" and "gen_trtllm_comm_module" in c["subject"])
+        assert "-gencode=arch=compute_120a,code=sm_120a" in runtime["detail"]
+        assert found[("compile", "sm_90a PTX unchanged")]["detail"] == "byte-identical to the release header's PTX"
+        assert found[("compile", "sm_100a PTX unchanged")]["ok"] is True
+    finally:
+        assert session("revert").exit_code == 0
+    assert runtime_env.record_mismatches() == []
