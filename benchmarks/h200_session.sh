@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The session run on the lent H200 (SM90, driver, CUDA 13.0, torch 2.11; no internet) for
+# docs/h200.md. Wheels travel in .whl/: flashinfer-python 0.6.4, sglang 0.5.9, and for the
+# image's Python 3.12: apache-tvm-ffi (FlashInfer needs it) and libcst (sm120patch needs it).
+#   bash benchmarks/h200_session.sh build     # doctor, apply, verify, build + load, cuobjdump, revert
+#   bash benchmarks/h200_session.sh restart   # the JIT restart-cost benchmark
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+# The serving environment: a venv that sees the image's torch, with the real wheels in it.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
+python3 -m venv /tmp/env
+python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+/tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+export PYTHONPATH=$PWD/src:/tmp/sm-deps
+P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
+step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
+sm120patch() { python3 -m sm120patch "$@"; }
+build_and_load() { FLASHINFER_CUDA_ARCH_LIST="$1" FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/trtllm_comm_build_and_load.py; }
+
+case "${1:-build}" in
+build)
+    step nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,pci.bus_id --format=csv
+    step sm120patch doctor "${P[@]}" 2>&1 | tee "$OUT/doctor.txt"
+    step sm120patch status "${P[@]}"
+    step build_and_load 12.0a
+    step sm120patch apply "${P[@]}"
+    step sm120patch verify "${P[@]}" --runtime --compile
+    step build_and_load "9.0a 12.0a"
+    step sm120patch status "${P[@]}"
+    step sm120patch revert "${P[@]}"
+    step build_and_load 12.0a
+    ;;
+restart)
+    step sm120patch apply "${P[@]}"
+    step timeout 570 /tmp/env/bin/python benchmarks/jit_restart_cost.py --python /tmp/env/bin/python \
+        --arch-list "${ARCHS:-9.0a}" --workspace /tmp/jitws --jobs 8 ${MODULES:+--modules "$MODULES"}
+    ;;
+esac
