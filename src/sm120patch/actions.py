@@ -140,26 +140,16 @@ def run_apply(
             raise RefusedError(assessment.reason, hint="see `sm120patch status`; newer releases need a newer sm120patch")
         ids = [i for i in with_ids if any(p.id == i for p in assessment.patch_set.patches)]
         work.append((assessment, assessment.patch_set.select(ids)))
+    selected_by_name = {a.dist.name: selected for a, selected in work}
     if dry_run:
         for assessment, selected in work:
             plan = plan_apply(assessment, selected, force=force)
             report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan))
         return report
-    state_root = env.state_root(work[0][0].dist) if work else None
-    if state_root is None:
-        return report
-    from sm120patch.transaction import environment_lock, recover
-
-    with environment_lock(state_root, on_wait=on_wait):
-        for assessment, selected in work:
-            recovery = recover(assessment.state)
-            if recovery:
-                assessment = assess(env, assessment.dist, catalog)
-            plan = plan_apply(assessment, selected, force=force)
-            _execute(plan, "apply")
-            report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan, recovery))
-            _check_after(plan)
-    report.jit_removed = _invalidate(env, report, jit_base)
+    if work:
+        report.results += _change(env, catalog, [a for a, _ in work], operation="apply", jit_base=jit_base,
+                                  planner=lambda a: plan_apply(a, selected_by_name[a.dist.name], force=force),
+                                  on_wait=on_wait, report=report)
     return report
 
 
@@ -180,21 +170,43 @@ def run_revert(
             report.results.append(DistributionResult(name, assessment.dist.raw_version, None, message=assessment.reason))
             continue
         assessments.append(assessment)
-    if not assessments:
-        return report
-    from sm120patch.transaction import environment_lock, recover
+    if assessments:
+        report.results += _change(env, catalog, assessments, operation="revert", jit_base=jit_base,
+                                  planner=lambda a: plan_revert(a, force=force), on_wait=on_wait, report=report)
+    return report
 
+
+def _change(
+    env: TargetEnvironment,
+    catalog: Catalog,
+    assessments: list[DistributionAssessment],
+    *,
+    operation: str,
+    planner: Callable[[DistributionAssessment], Plan],
+    jit_base: Path,
+    on_wait: Callable[[str], None] | None,
+    report: ChangeReport,
+) -> list[DistributionResult]:
+    """Under the environment lock: finish any interrupted run, plan again, and carry out each
+    plan as one transaction. FlashInfer's trtllm_comm JIT entries go *before* its files change:
+    a kill in between leaves pristine files and no cache entry (a rebuild), never patched
+    files beside a module built from the old sources."""
+    from sm120patch.transaction import check_writable, environment_lock, recover
+
+    results = []
     with environment_lock(env.state_root(assessments[0].dist), on_wait=on_wait):
         for assessment in assessments:
             recovery = recover(assessment.state)
             if recovery:
                 assessment = assess(env, assessment.dist, catalog)
-            plan = plan_revert(assessment, force=force)
-            _execute(plan, "revert")
-            report.results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan, recovery))
+            plan = planner(assessment)
+            check_writable([f.path for f in plan.files])
+            if assessment.dist.name == FLASHINFER:
+                report.jit_removed += _invalidate_jit(assessment, jit_base, sources_changing=bool(plan.files))
+            _execute(plan, operation)
+            results.append(DistributionResult(assessment.dist.name, assessment.dist.raw_version, plan, recovery))
             _check_after(plan)
-    report.jit_removed = _invalidate(env, report, jit_base)
-    return report
+    return results
 
 
 def _execute(plan: Plan, operation: str) -> None:
@@ -227,9 +239,12 @@ def _check_after(plan: Plan) -> None:
             raise RefusedError(f"{planned.path} was restored but does not match the installed RECORD")
 
 
-def _invalidate(env: TargetEnvironment, report: ChangeReport, jit_base: Path) -> list[Path]:
-    """Drop trtllm_comm JIT entries once FlashInfer's sources changed (they would keep the old
-    flags); an SGLang-only change leaves the cache alone."""
-    if not any(r.name == FLASHINFER and r.plan and r.plan.files for r in report.results):
-        return []
-    return jitcache.invalidate(env.get(FLASHINFER).raw_version, jit_base)
+def _invalidate_jit(assessment: DistributionAssessment, jit_base: Path, *, sources_changing: bool) -> list[Path]:
+    """Remove trtllm_comm entries of this FlashInfer version: all of them when its sources are
+    about to change; otherwise those older than the sources (left by an earlier run that was
+    killed after its files changed, or built under another cache base and copied)."""
+    version = assessment.dist.raw_version
+    if sources_changing:
+        return jitcache.invalidate(version, jit_base)
+    sources = [fa.path for fa in assessment.files.values()]
+    return jitcache.invalidate(version, jit_base, only=lambda entry: jitcache.is_stale(entry, sources))

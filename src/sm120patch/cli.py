@@ -43,6 +43,10 @@ def handle_errors(command):
             if exc.hint:
                 click.echo(f"hint: {exc.hint}", err=True)
             sys.exit(int(exc.exit_code))
+        except OSError as exc:  # outside a transaction (lock, state directory, JIT cache)
+            where = f" ({exc.filename})" if exc.filename else ""
+            click.echo(f"sm120patch: error: {exc.strerror or exc}{where}", err=True)
+            sys.exit(int(ExitCode.FAILED))
         except KeyboardInterrupt:
             click.echo("sm120patch: interrupted; any change in progress was rolled back", err=True)
             sys.exit(130)

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, TargetEnvironment
 
@@ -47,11 +48,12 @@ def is_stale(entry: Path, sources: list[Path]) -> bool:
     return bool(mtimes) and min(mtimes) < newest
 
 
-def invalidate(version: str, base: Path) -> list[Path]:
+def invalidate(version: str, base: Path, *, only: Callable[[Path], bool] | None = None) -> list[Path]:
     removed = []
     for entry in entries(version, base):
-        shutil.rmtree(entry)
-        removed.append(entry)
+        if only is None or only(entry):
+            shutil.rmtree(entry)
+            removed.append(entry)
     return removed
 
 

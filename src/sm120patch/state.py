@@ -95,7 +95,15 @@ def applied_document(record: AppliedRecord) -> dict:
 
 def ensure_private_dir(path: Path) -> None:
     """Create ``path`` (mode 0700) and refuse one that other users could write to."""
-    path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+    except PermissionError:
+        raise TransactionError(
+            f"cannot create sm120patch's state directory {path}: permission denied; nothing was changed",
+            hint="run sm120patch as the user who owns this environment, or set SM120PATCH_STATE_DIR",
+        ) from None
+    except OSError as exc:
+        raise TransactionError(f"cannot create sm120patch's state directory {path}: {exc.strerror}; nothing was changed") from None
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise TransactionError(

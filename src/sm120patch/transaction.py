@@ -99,6 +99,21 @@ def environment_lock(state_root: Path, *, timeout: float = LOCK_TIMEOUT_S,
         os.close(fd)
 
 
+def check_writable(paths: Sequence[Path]) -> None:
+    """Refuse before the first change when a file or its directory cannot be written (a
+    read-only file system, another user's environment)."""
+    for path in paths:
+        for target in (path, path.parent):
+            if os.access(target, os.W_OK):
+                continue
+            if os.statvfs(target).f_flag & os.ST_RDONLY:
+                reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
+            else:
+                reason = "permission denied"
+                hint = f"run sm120patch as the user who owns this environment (uid {target.stat().st_uid}), e.g. with sudo"
+            raise TransactionError(f"cannot write {target}: {reason}; nothing was changed", hint=hint)
+
+
 @dataclass(frozen=True)
 class FileChange:
     """Replace ``path`` (``relpath`` in its distribution), whose bytes now hash to ``before``,
@@ -148,6 +163,7 @@ class Transaction:
         self.drop_originals = list(drop_originals)
 
     def run(self) -> None:
+        check_writable([c.path for c in self.changes])
         ensure_private_dir(self.state.root)
         previous = self.state.applied_path.read_bytes() if self.state.applied_path.exists() else None
         _write_json(

@@ -1,0 +1,216 @@
+"""Hostile inputs: each gets one clear line (no traceback), a documented exit code, and no
+change to the environment (every file under it and under its JIT cache base is hashed before
+and after)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ServingEnv, make_venv
+from sm120patch.errors import ExitCode
+from sm120patch.state import DistributionState
+
+ROOT = Path(__file__).resolve().parents[1]
+COMM = "flashinfer/jit/comm.py"
+HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+
+
+def snapshot(env: ServingEnv) -> dict[str, str]:
+    """Every path under the packages, the JIT cache base and sm120patch's state (but its empty
+    lock file, which only says that a run happened), with file hashes."""
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else "link-or-dir"
+        for base in (env.site_packages, env.root / "share", env.home)
+        for p in sorted(base.rglob("*"))
+        if p.name != "lock" and not (p.is_dir() and p.name in ("share", "sm120patch"))
+    }
+
+
+def one_clear_error(output: str, text: str) -> None:
+    lines = [line for line in output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(lines) == 1 and text in lines[0], output
+    assert "Traceback" not in output
+
+
+def seed_jit_cache(env: ServingEnv) -> None:
+    entry = env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    (entry / "trtllm_comm.so").write_bytes(b"\x7fELF")
+
+
+def flashinfer_state(env: ServingEnv) -> DistributionState:
+    return DistributionState(env.root / "share" / "sm120patch" / "flashinfer-python")
+
+
+def test_a_deleted_target_file(sm120patch, serving_env):
+    serving_env.file(HEADER).unlink()
+    seed_jit_cache(serving_env)
+    before = snapshot(serving_env)
+    status = sm120patch("status")
+    assert status.exit_code == ExitCode.REFUSED and "pdl-gates       missing" in status.output
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.REFUSED
+    one_clear_error(result.output, "trtllm_allreduce.cuh is missing")
+    assert snapshot(serving_env) == before
+
+
+def test_a_target_replaced_by_a_symlink(sm120patch, serving_env, tmp_path):
+    path = serving_env.file(COMM)
+    decoy = tmp_path / "elsewhere.py"
+    decoy.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(decoy)
+    seed_jit_cache(serving_env)
+    before, decoy_bytes = snapshot(serving_env), decoy.read_bytes()
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.REFUSED
+    one_clear_error(result.output, "is a symbolic link")
+    assert snapshot(serving_env) == before and decoy.read_bytes() == decoy_bytes
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "deleted"])
+def test_a_damaged_saved_original_stops_revert(sm120patch, serving_env, damage):
+    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
+    original = flashinfer_state(serving_env).original(HEADER)
+    if damage == "corrupted":
+        original.write_bytes(original.read_bytes().replace(b"1200", b"1300", 1))
+    elif damage == "truncated":
+        original.write_bytes(original.read_bytes()[:1000])
+    else:
+        original.unlink()
+    before = snapshot(serving_env)
+    result = sm120patch("revert")
+    assert result.exit_code == ExitCode.REFUSED
+    one_clear_error(result.output, "saved original is missing or corrupt")
+    assert "pip install --force-reinstall --no-deps flashinfer-python==0.6.4" in result.output
+    assert snapshot(serving_env) == before
+
+
+def test_a_corrupted_journal(sm120patch, serving_env):
+    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
+    state = flashinfer_state(serving_env)
+    state.journal_path.write_text('{"operation": "apply", "files": [{"relp')
+    before = snapshot(serving_env)
+    status = sm120patch("status")
+    assert status.exit_code == ExitCode.REFUSED
+    assert "unreadable journal" in status.output
+    for command in ("apply", "revert"):
+        result = sm120patch(command)
+        assert result.exit_code == ExitCode.FAILED
+        one_clear_error(result.output, "journal")
+        assert snapshot(serving_env) == before
+
+
+def write_data_dir(tmp_path: Path, toml_text: str) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    (data / "patches").mkdir(parents=True)
+    (data / "patches" / "flashinfer-python-0.6.4.toml").write_text(toml_text)
+    return data
+
+
+@pytest.mark.parametrize("mangle, message", [
+    (lambda text: text.replace('versions = ["0.6.4"]', 'versions = ["0.6.4"'), "not valid TOML"),
+    (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "../../../../etc/passwd"'),
+     "not a safe relative path"),
+    (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "/etc/passwd"'), "not a safe relative path"),
+    (lambda text: text.replace('"python.extend-list-argument"', '"python.exec"'), "unknown rewriter"),
+])
+def test_malformed_patch_data(sm120patch, serving_env, tmp_path, monkeypatch, mangle, message):
+    text = (ROOT / "patches" / "flashinfer-python-0.6.4.toml").read_text()
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, mangle(text))))
+    before = snapshot(serving_env)
+    result = sm120patch("apply", "--flashinfer", "0.6.4")
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, message)
+    assert snapshot(serving_env) == before
+
+
+def test_patch_data_is_parsed_never_executed(sm120patch, serving_env, tmp_path, monkeypatch):
+    canary = tmp_path / "executed"
+    text = (ROOT / "patches" / "flashinfer-python-0.6.4.toml").read_text().replace(
+        'value = "12"', f'value = "__import__(\'os\').system(\'touch {canary}\')"')
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, text)))
+    before = snapshot(serving_env)
+    for extra in (["--dry-run"], []):
+        # The expression is only parsed and inserted as text; the result is not the bytes the
+        # vendor manifest pins, so even the dry run refuses.
+        refused = sm120patch("apply", "--flashinfer", "0.6.4", *extra)
+        assert refused.exit_code == ExitCode.USAGE
+        one_clear_error(refused.output, "the rewriters produced bytes the vendor manifest does not expect")
+    assert not canary.exists()
+    assert snapshot(serving_env) == before
+
+
+def test_owner_and_mode_of_patched_files_are_kept(sm120patch, serving_env):
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    path = serving_env.file(COMM)
+    os.chown(path, 65534, 65534)
+    path.chmod(0o604)
+    assert sm120patch("apply").exit_code == 0
+    assert (path.stat().st_uid, path.stat().st_gid, path.stat().st_mode & 0o777) == (65534, 65534, 0o604)
+    assert sm120patch("revert").exit_code == 0
+    assert (path.stat().st_uid, path.stat().st_gid, path.stat().st_mode & 0o777) == (65534, 65534, 0o604)
+
+
+def sm120patch_argv(env: ServingEnv, *args: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "sm120patch", args[0], "--python", str(env.python), "--jit-cache-base", str(env.home), *args[1:]]
+
+
+def test_a_read_only_site_packages(serving_env):
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a read-only bind mount needs root and unshare")
+    seed_jit_cache(serving_env)
+    before = snapshot(serving_env)
+    sp = serving_env.site_packages
+    script = f"mount --bind '{sp}' '{sp}' && mount -o remount,bind,ro '{sp}' && exec \"$@\""
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *sm120patch_argv(serving_env, "apply")],
+                          capture_output=True, text=True)
+    if "mount:" in proc.stderr:
+        pytest.skip(f"cannot make a read-only mount here: {proc.stderr.strip()}")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    one_clear_error(proc.stderr, "read-only file system; nothing was changed")
+    assert snapshot(serving_env) == before  # the JIT cache entry too: checked before it is touched
+
+
+def test_permission_denied_for_another_users_environment(tmp_path, flashinfer_wheel, sglang_wheel):
+    """The environment belongs to root; sm120patch runs as nobody."""
+    system_python = shutil.which("python3", path="/usr/bin")
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not system_python:
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to run as another user")
+    shared = Path(os.environ.get("TMPDIR", "/tmp")) / f"sm120patch-perm-{os.getpid()}"
+    shutil.rmtree(shared, ignore_errors=True)
+    try:
+        shared.mkdir(mode=0o755)
+        root = shared / "venv"
+        subprocess.run([system_python, "-m", "venv", "--without-pip", str(root)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
+                        "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
+        (shared / "home").mkdir()
+        env = ServingEnv(root, shared / "home")
+        seed_jit_cache(env)
+        before = snapshot(env)
+        import libcst
+        import click
+
+        paths = os.pathsep.join([str(ROOT / "src"), *{str(Path(m.__file__).parents[1]) for m in (libcst, click)}])
+        proc = subprocess.run(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+             *sm120patch_argv(env, "apply", python=system_python)],
+            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=paths), cwd="/",
+        )
+        if "No module named" in proc.stderr or "Permission denied: '/" in proc.stderr and "sm120patch:" not in proc.stderr:
+            pytest.skip(f"nobody cannot run sm120patch from this checkout: {proc.stderr.strip()[-200:]}")
+        assert proc.returncode == ExitCode.FAILED, proc.stderr
+        one_clear_error(proc.stderr, "permission denied; nothing was changed")
+        assert snapshot(env) == before
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
