@@ -17,7 +17,7 @@ Exit codes:
   1  status: something is not (fully) patched
   2  bad input (options, --python, version selector, patch data)
   3  refused: a file is not the release's bytes, or no pinned patch set
-  4  failed (I/O error, lock held); every change was rolled back"""
+  4  failed (I/O error, read-only, permission, lock held); rolled back"""
 
 python_option = click.option(
     "--python", "python", metavar="PATH", default=None,
