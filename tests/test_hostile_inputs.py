@@ -112,19 +112,19 @@ def write_data_dir(tmp_path: Path, toml_text: str) -> Path:
     data = tmp_path / "data"
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
     (data / "patches").mkdir(parents=True)
-    (data / "patches" / "flashinfer-python-0.6.4.toml").write_text(toml_text)
+    (data / "patches" / "flashinfer-python.toml").write_text(toml_text)
     return data
 
 
 @pytest.mark.parametrize("mangle, message", [
-    (lambda text: text.replace('versions = ["0.6.4"]', 'versions = ["0.6.4"'), "not valid TOML"),
+    (lambda text: text.replace('distribution = "flashinfer-python"', 'distribution = "flashinfer-python'), "not valid TOML"),
     (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "../../../../etc/passwd"'),
      "not a safe relative path"),
     (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "/etc/passwd"'), "not a safe relative path"),
     (lambda text: text.replace('"python.extend-list-argument"', '"python.exec"'), "unknown rewriter"),
 ])
 def test_malformed_patch_data(sm120patch, serving_env, tmp_path, monkeypatch, mangle, message):
-    text = (ROOT / "patches" / "flashinfer-python-0.6.4.toml").read_text()
+    text = (ROOT / "patches" / "flashinfer-python.toml").read_text()
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, mangle(text))))
     before = snapshot(serving_env)
     result = sm120patch("apply", "--flashinfer", "0.6.4")
@@ -135,7 +135,7 @@ def test_malformed_patch_data(sm120patch, serving_env, tmp_path, monkeypatch, ma
 
 def test_patch_data_is_parsed_never_executed(sm120patch, serving_env, tmp_path, monkeypatch):
     canary = tmp_path / "executed"
-    text = (ROOT / "patches" / "flashinfer-python-0.6.4.toml").read_text().replace(
+    text = (ROOT / "patches" / "flashinfer-python.toml").read_text().replace(
         'value = "12"', f'value = "__import__(\'os\').system(\'touch {canary}\')"')
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, text)))
     before = snapshot(serving_env)

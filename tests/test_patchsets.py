@@ -51,7 +51,9 @@ def test_pins_are_exact():
     catalog = load_catalog()
     assert catalog.find("flashinfer-python", Version("0.6.4.post1")) is None
     assert catalog.find("flashinfer-python", Version("0.6.4+local")) is None
-    assert catalog.find("flashinfer-python", Version("0.6.3")) is None
+    assert catalog.find("flashinfer-python", Version("0.6.16.post5")) is None
+    assert catalog.find("flashinfer-python", Version("0.4.1")) is None
+    assert catalog.find("flashinfer-python", Version("0.6.17")) is None
 
 
 def test_select_takes_required_and_named_opt_in_patches():

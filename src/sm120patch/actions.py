@@ -132,12 +132,18 @@ def run_apply(
         raise UsageError(f"--with {','.join(sorted(unknown))}: no such patch for {', '.join(n for n, _ in targets)}")
     work = []
     for name, _ in targets:
-        assessment = assess(env, env.get(name), catalog)
+        assessment = assess(env, env.get(name), catalog, force_unknown=force)
         if assessment.patch_set is None:
             if assessment.fixed_upstream:
                 report.results.append(DistributionResult(name, assessment.dist.raw_version, None, message=assessment.reason))
                 continue
-            raise RefusedError(assessment.reason, hint="see `sm120patch status`; newer releases need a newer sm120patch")
+            closest = catalog.closest_set(name, assessment.dist.version)
+            raise RefusedError(
+                assessment.reason,
+                hint="use a release `sm120patch list` shows, or wait for an sm120patch that knows this one"
+                + (f"; `--force` applies the closest set ({closest.source.name}) by meaning, prints the diff and "
+                   "records the result as unpinned" if closest else ""),
+            )
         ids = [i for i in with_ids if any(p.id == i for p in assessment.patch_set.patches)]
         work.append((assessment, assessment.patch_set.select(ids)))
     selected_by_name = {a.dist.name: selected for a, selected in work}
@@ -198,7 +204,7 @@ def _change(
         for assessment in assessments:
             recovery = recover(assessment.state)
             if recovery:
-                assessment = assess(env, assessment.dist, catalog)
+                assessment = assess(env, assessment.dist, catalog, force_unknown=assessment.unpinned)
             plan = planner(assessment)
             check_writable([f.path for f in plan.files])
             if assessment.dist.name == FLASHINFER:

@@ -199,6 +199,17 @@ def doctor(python, jit_cache_base, as_json):
     click.echo(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
 
 
+@cli.command("list")
+@json_option
+@handle_errors
+def list_(as_json):
+    """The support matrix: every release sm120patch knows, its patches, and the upstream fix."""
+    from sm120patch import patchsets, report
+
+    catalog = patchsets.load_catalog(check_rewriters=False)
+    click.echo(json.dumps(report.list_json(catalog), indent=2) if as_json else report.render_list(catalog))
+
+
 @cli.group()
 def manifest() -> None:
     """Build the vendor manifests from the real upstream wheels (maintainers)."""

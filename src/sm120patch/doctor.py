@@ -13,10 +13,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from sm120patch.actions import StatusReport
+from sm120patch.facts import SGLANG_AUTO_ENABLES_ON_SM120
 from sm120patch.report import overall
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -24,9 +24,6 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MIN_CUDA_SM120 = Version("12.8")
 MIN_CUDA_120F = Version("12.9")
 FLASHINFER_USES_120F = Version("0.6.7")
-# SGLang 0.5.4.post2-0.5.7 enable fusion through is_blackwell_supported() (majors 10 and 12):
-# there, a patched FlashInfer turns fusion on without the user asking.
-SGLANG_AUTO_ENABLES_ON_SM120 = SpecifierSet(">=0.5.4.post2,<=0.5.7")
 PCIE_WARNING = (
     "GPUs talk over PCIe only (no NVLink): upstream measured a TP4 regression with fusion over PCIe "
     "(sglang PR #32330, closed), and one 8-GPU PCIe box ran far slower with fusion on; benchmark "

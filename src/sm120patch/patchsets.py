@@ -183,6 +183,30 @@ class Catalog:
     def known_versions(self, name: str) -> list[Version]:
         return sorted(v for ps in self.for_distribution(name) for v in ps.versions)
 
+    def by_source(self, filename: str) -> PatchSet | None:
+        return next((ps for ps in self.patch_sets if ps.source.name == filename), None)
+
+    def closest_set(self, name: str, version: Version | None) -> PatchSet | None:
+        """For a release no set pins: the set of the highest known release below it, else the
+        lowest above (what `apply --force` tries, by meaning)."""
+        pinned = sorted((v, ps) for ps in self.for_distribution(name) for v in ps.versions)
+        if not pinned or version is None:
+            return None
+        below = [ps for v, ps in pinned if v < version]
+        return below[-1] if below else pinned[0][1]
+
+    def nearest(self, name: str, version: Version | None) -> str:
+        """The known releases on either side of ``version``, in words, for refusals."""
+        known = self.known_versions(name)
+        if not known:
+            return "sm120patch knows no release of it"
+        if version is None:
+            return f"known releases: {known[0]} to {known[-1]}"
+        below = [v for v in known if v < version]
+        above = [v for v in known if v > version]
+        parts = ([f"nearest known below: {below[-1]}"] if below else []) + ([f"above: {above[0]}"] if above else [])
+        return ", ".join(parts) + f"; sm120patch knows {known[0]} to {known[-1]}"
+
     def fixed_in(self, name: str) -> Version | None:
         fixes = [ps.fixed_in for ps in self.for_distribution(name) if ps.fixed_in]
         return min(fixes) if fixes else None

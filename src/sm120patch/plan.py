@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 
 from sm120patch.environment import InstalledDistribution, InstalledFiles, TargetEnvironment
 from sm120patch.errors import PatchDataError, RefusedError
-from sm120patch.manifests import Manifest, apply_edits, combination_key, load_manifest
+from sm120patch.facts import SDIST_ONLY
+from sm120patch.manifests import FileHashes, Manifest, apply_edits, combination_key, load_manifest
 from sm120patch.patchsets import Catalog, Patch, PatchSet
 from sm120patch.state import AppliedFile, AppliedRecord, DistributionState
 
@@ -55,6 +56,7 @@ class DistributionAssessment:
     record: AppliedRecord | None = None
     fixed_upstream: bool = False
     reason: str = ""  # why there is nothing to patch
+    unpinned: bool = False  # a release no set pins, handled with the closest set (apply --force)
 
     @property
     def state(self) -> DistributionState:
@@ -83,7 +85,10 @@ class DistributionAssessment:
         ]
 
 
-def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog) -> DistributionAssessment:
+def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog, *,
+           force_unknown: bool = False) -> DistributionAssessment:
+    """Each patched file's state. A release no patch set pins is assessed with the closest set
+    when ``force_unknown`` (apply --force) or when an earlier forced apply recorded one."""
     patch_set = catalog.find(dist.name, dist.version)
     fixed_in = catalog.fixed_in(dist.name)
     result = DistributionAssessment(env=env, dist=dist, patch_set=patch_set, manifest=None)
@@ -91,9 +96,12 @@ def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog
         if dist.version is not None and fixed_in is not None and dist.version >= fixed_in:
             result.fixed_upstream = True
             result.reason = f"{dist.name} {dist.raw_version} supports SM120 here natively (fixed upstream in {fixed_in})"
+        elif dist.raw_version in SDIST_ONLY.get(dist.name, ()):
+            result.reason = (f"{dist.name} {dist.raw_version} was published as an sdist only: there is no wheel RECORD "
+                             "to check its files against; upgrade to a release sm120patch knows (see `sm120patch list`)")
         else:
-            known = ", ".join(str(v) for v in catalog.known_versions(dist.name)) or "none"
-            result.reason = f"no patch set is pinned to {dist.name} {dist.raw_version} (known releases: {known})"
+            result.reason = f"no patch set is pinned to {dist.name} {dist.raw_version} ({catalog.nearest(dist.name, dist.version)})"
+            return _assess_unpinned(result, catalog, force_unknown)
         return result
     result.manifest = load_manifest(dist.name, str(dist.version))
     if result.manifest is None:
@@ -101,6 +109,34 @@ def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog
     result.record = result.state.read_applied()
     tree = result.tree
     for relpath in patch_set.files:
+        result.files[relpath] = _assess_file(tree, relpath, result.manifest)
+    return result
+
+
+def _assess_unpinned(result: DistributionAssessment, catalog: Catalog, force_unknown: bool) -> DistributionAssessment:
+    record = result.state.read_applied()
+    borrowed = None
+    if record is not None and record.unpinned and record.patch_set and record.version == result.dist.raw_version:
+        borrowed = catalog.by_source(record.patch_set)
+    elif force_unknown:
+        borrowed = catalog.closest_set(result.dist.name, result.dist.version)
+    if borrowed is None:
+        return result
+    result.patch_set, result.unpinned, result.record = borrowed, True, record
+    # No vendor manifest vouches for this release: its own RECORD gives the pristine hashes,
+    # and what sm120patch wrote (the applied record) gives the patched ones.
+    tree = result.tree
+    result.manifest = Manifest(
+        distribution=result.dist.name, version=result.dist.raw_version, wheel="", wheel_sha256="",
+        files={
+            rel: FileHashes(
+                pristine=tree.release_sha256(rel) or "",
+                patched={"+".join(record.files[rel].patches): record.files[rel].patched} if record and rel in record.files else {},
+            )
+            for rel in borrowed.files
+        },
+    )
+    for relpath in borrowed.files:
         result.files[relpath] = _assess_file(tree, relpath, result.manifest)
     return result
 
@@ -222,13 +258,17 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
                     hint=f"run `sm120patch revert` after `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
                 )
             original = None
-        data = apply_edits(pristine, wanted, where=str(fa.path))
-        if sha256(data) != expected.patched.get(key):
-            raise PatchDataError(f"{fa.path}: the rewriters produced bytes the vendor manifest does not expect ({key})")
+        if assessment.unpinned:  # no manifest: the rewriters' exact site counts are the check
+            data, unpinned = _force_edits(pristine, wanted, where=str(fa.path)), True
+        else:
+            data = apply_edits(pristine, wanted, where=str(fa.path))
+            if sha256(data) != expected.patched.get(key):
+                raise PatchDataError(f"{fa.path}: the rewriters produced bytes the vendor manifest does not expect ({key})")
         planned.append(PlannedFile(relpath, fa.path, fa.sha256, sha256(data), data, current,
                                    tuple(p.id for p in wanted), original))
         record_files[relpath] = AppliedFile(tuple(p.id for p in wanted), expected.pristine, sha256(data))
-    record = AppliedRecord(assessment.dist.name, assessment.dist.raw_version, record_files, unpinned)
+    record = AppliedRecord(assessment.dist.name, assessment.dist.raw_version, record_files, unpinned,
+                           patch_set.source.name)
     return Plan(assessment, tuple(planned), tuple(unchanged), record)
 
 

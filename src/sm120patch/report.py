@@ -6,6 +6,7 @@ from pathlib import Path
 
 from sm120patch.actions import ChangeReport, StatusReport
 from sm120patch.errors import ExitCode
+from sm120patch.facts import SDIST_ONLY, SGLANG_AUTO_ENABLES_ON_SM120
 from sm120patch.plan import DistributionAssessment, PatchState
 
 AOT_HINT = (
@@ -65,10 +66,16 @@ def render_status(report: StatusReport) -> str:
             )
         if status.pending_journal:
             lines.append(f"  ! an interrupted {status.pending_journal} was found; the next apply or revert rolls it back")
-        if a.record and a.record.unpinned:
+        if a.unpinned:
+            lines.append(f"  ! unpinned: no patch set pins {a.dist.raw_version}; {a.patch_set.source.name} was applied "
+                         "by meaning with --force, and no vendor manifest vouches for the result")
+        elif a.record and a.record.unpinned:
             lines.append("  ! applied with --force to bytes no vendor manifest vouches for (unpinned)")
         if a.patch_set.fixed_in:
             lines.append(f"  upstream fix: {a.patch_set.fixed_in} ({a.patch_set.upstream})")
+        if a.dist.name == "sglang" and a.dist.version in SGLANG_AUTO_ENABLES_ON_SM120:
+            lines.append(f"  ! sglang {a.dist.raw_version} turns fusion on by itself on SM120 (is_blackwell_supported()): "
+                         "with fusion-gate applied it runs without --enable-flashinfer-allreduce-fusion")
         for note in a.patch_set.notes:
             lines.append(f"  note: {note}")
     lines.append("")
@@ -113,7 +120,7 @@ def status_json(report: StatusReport) -> dict:
             "fixed_in": str(a.patch_set.fixed_in) if a.patch_set and a.patch_set.fixed_in else None,
             "interrupted_transaction": status.pending_journal,
             "dropped_by_reinstall": a.dropped_by_reinstall,
-            "unpinned": bool(a.record and a.record.unpinned),
+            "unpinned": bool(a.unpinned or (a.record and a.record.unpinned)),
             "patches": [],
         }
         if a.patch_set:
@@ -157,6 +164,10 @@ def render_change(report: ChangeReport) -> str:
         if not result.plan.files:
             lines.append(f"{result.name} {result.version}: nothing to change (already {verb})")
             continue
+        if result.plan.assessment.unpinned and report.operation == "apply":
+            lines.append(f"{result.name} {result.version}: no patch set pins this release; applied "
+                         f"{result.plan.assessment.patch_set.source.name} by meaning (--force), recorded as unpinned:")
+            lines += [planned.diff(root).rstrip("\n") for planned in result.plan.files]
         lines.append(f"{result.name} {result.version}: {verb} {len(result.plan.files)} file(s)")
         for planned in result.plan.files:
             ids = ", ".join(planned.patches) if planned.patches else "release bytes"
@@ -214,4 +225,46 @@ def verify_json(env, results) -> dict:
         "python": str(env.executable),
         "verified": verify_exit_code(results) is ExitCode.OK,
         "checks": [{"kind": r.kind, "subject": r.subject, "ok": r.ok, "detail": r.detail} for r in results],
+    }
+
+
+def _ranges(versions) -> str:
+    return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
+
+
+def render_list(catalog) -> str:
+    """The support matrix: release ranges -> patch ids (required / opt-in) -> upstream fix."""
+    lines = []
+    for name in ("flashinfer-python", "sglang"):
+        sets = sorted(catalog.for_distribution(name), key=lambda ps: min(ps.versions))
+        fixed = catalog.fixed_in(name)
+        lines.append(f"{name}" + (f"  (fixed upstream from {fixed}: {sets[0].upstream})" if fixed else "  (no upstream release fixes it)"))
+        for ps in sets:
+            versions = sorted(ps.versions)
+            required = ", ".join(p.id for p in ps.patches if p.required)
+            optional = ", ".join(p.id for p in ps.patches if not p.required) or "none"
+            lines.append(f"  {_ranges(versions):<28} {len(versions):>2} release(s)  {required:<36} opt-in: {optional}")
+        for version in SDIST_ONLY.get(name, ()):
+            lines.append(f"  {version:<28}  sdist only: not supported (no RECORD to check against)")
+        if fixed:
+            lines.append(f"  {str(fixed) + ' and later':<28}  native SM120 support: nothing to patch")
+    return "\n".join(lines)
+
+
+def list_json(catalog) -> dict:
+    return {
+        name: {
+            "fixed_in": str(catalog.fixed_in(name)) if catalog.fixed_in(name) else None,
+            "sdist_only": list(SDIST_ONLY.get(name, ())),
+            "releases": {
+                str(v): {
+                    "patch_set": ps.source.name,
+                    "required": [p.id for p in ps.patches if p.required],
+                    "opt_in": [p.id for p in ps.patches if not p.required],
+                    "upstream": {p.id: {"reference": p.upstream, "fixed_in": p.fixed_in} for p in ps.patches},
+                }
+                for ps in catalog.for_distribution(name) for v in sorted(ps.versions)
+            },
+        }
+        for name in ("flashinfer-python", "sglang")
     }

@@ -55,19 +55,27 @@ def lamport_stride(text: str) -> tuple[bool, str]:
 
 @check("fusion-gate")
 def fusion_gate(text: str) -> tuple[bool, str]:
+    """Some ``or`` in the module accepts an SM120 flag beside the SM100 one, and that flag is
+    assigned at module level (its name moves between releases; the shape does not)."""
     tree = ast.parse(text)
     sm120_flags = {
         target.id
         for node in tree.body if isinstance(node, ast.Assign)
-        for target in node.targets if isinstance(target, ast.Name)
-        if "sm120" in ast.unparse(node.value) or "== 12" in ast.unparse(node.value)
+        for target in node.targets if isinstance(target, ast.Name) and "sm120" in target.id
     }
-    for function in _functions(tree, "apply_flashinfer_allreduce_fusion"):
+    for operands in _or_operands(tree):
+        if any("sm100" in op for op in operands) and any(op in sm120_flags for op in operands):
+            return True, f"fusion predicate: {' or '.join(operands)}"
+    return False, "no fusion predicate accepts an SM120 flag"
+
+
+@check("backend-resolve")
+def backend_resolve(text: str) -> tuple[bool, str]:
+    for function in _functions(ast.parse(text), "_resolve_backend"):
         for operands in _or_operands(function):
-            if any(op in sm120_flags or "sm120" in op for op in operands):
-                return True, f"fusion predicate: {' or '.join(operands)}"
-        return False, "apply_flashinfer_allreduce_fusion does not accept SM120"
-    return False, "no apply_flashinfer_allreduce_fusion in this file"
+            if any("sm90" in op for op in operands):
+                return any("sm120" in op for op in operands), f"_resolve_backend accepts: {' or '.join(operands)}"
+    return False, "no SM90/SM100 check in _resolve_backend"
 
 
 @check("auto-enable")
@@ -83,9 +91,30 @@ def auto_enable(text: str) -> tuple[bool, str]:
 @check("symm-mem")
 def symm_mem(text: str) -> tuple[bool, str]:
     for node in ast.parse(text).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES" for t in node.targets
-        ) and isinstance(node.value, ast.Dict):
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if any(n.endswith("SYMM_MEM_ALL_REDUCE_MAX_SIZES") for n in names) and isinstance(node.value, ast.Dict):
             keys = [ast.literal_eval(k) for k in node.value.keys if k is not None]
-            return 12 in keys, f"TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES keys: {keys}"
-    return False, "no TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES dict"
+            return 12 in keys, f"{names[0]} keys: {keys}"
+    return False, "no SYMM_MEM_ALL_REDUCE_MAX_SIZES dict"
+
+
+# Names that sglang patches put into code; each must be bound where it is used.
+INTRODUCED_NAMES = ("is_sm120_supported", "_is_sm120_supported", "torch", "is_cuda", "_is_cuda", "get_platform")
+
+
+def unbound_names(text: str) -> list[str]:
+    """Introduced names a module uses but never binds at module level (a missing import would
+    be a NameError at server start, which no hash can show)."""
+    tree = ast.parse(text)
+    bound: set[str] = set()
+    for node in tree.body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                bound.update((a.asname or a.name).split(".")[0] for a in sub.names)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                bound.update(t.id for t in targets if isinstance(t, ast.Name))
+            elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                bound.add(sub.name)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return sorted(name for name in INTRODUCED_NAMES if name in used and name not in bound)

@@ -36,6 +36,7 @@ class AppliedRecord:
     version: str
     files: Mapping[str, AppliedFile] = field(default_factory=dict)
     unpinned: bool = False  # applied with --force to bytes no manifest vouches for
+    patch_set: str | None = None  # the patch-set file used (for an unpinned release: borrowed)
 
     @property
     def patch_ids(self) -> tuple[str, ...]:
@@ -67,6 +68,7 @@ class DistributionState:
                 distribution=doc["distribution"],
                 version=doc["version"],
                 unpinned=bool(doc.get("unpinned", False)),
+                patch_set=doc.get("patch_set"),
                 files={
                     rel: AppliedFile(tuple(f["patches"]), f["pristine"], f["patched"])
                     for rel, f in doc["files"].items()
@@ -86,6 +88,7 @@ def applied_document(record: AppliedRecord) -> dict:
         "distribution": record.distribution,
         "version": record.version,
         "unpinned": record.unpinned,
+        "patch_set": record.patch_set,
         "files": {
             rel: {"patches": list(f.patches), "pristine": f.pristine, "patched": f.patched}
             for rel, f in sorted(record.files.items())

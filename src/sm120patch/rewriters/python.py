@@ -325,3 +325,42 @@ class CopyDictEntry(LibcstRewriter):
                 return updated_node.with_changes(value=updated_node.value.with_changes(elements=elements))
 
         return Transformer()
+
+
+@register
+class WidenAndOperand(LibcstRewriter):
+    """In ``operand and x and ...`` inside ``function``, the leading ``operand`` becomes
+    ``(operand or add)`` (older releases gate on one architecture flag alone)."""
+
+    name = "python.widen-and-operand"
+    description = "Turn the leading operand of an 'a and b ...' condition into '(a or NEW)' inside one function."
+    params = {"function": str, "operand": str, "add": str}
+    expression_params = ("operand", "add")
+
+    def what(self) -> str:
+        return f"'{self.args['operand']} and ...' in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        operand = cst.parse_expression(self.args["operand"])
+        add = cst.parse_expression(self.args["add"])
+        operand_code, widened_code = _code(operand), _code(cst.parse_expression(f"({self.args['operand']} or {self.args['add']})"))
+
+        class Transformer(_SiteTransformer):
+            def leave_BooleanOperation(
+                self, original_node: cst.BooleanOperation, updated_node: cst.BooleanOperation
+            ) -> cst.BaseExpression:
+                if not self.in_scope or not isinstance(updated_node.operator, cst.And):
+                    return updated_node
+                left = _code(updated_node.left)
+                if left == widened_code:
+                    self.applied += 1
+                elif left == operand_code:
+                    self.found += 1
+                    widened = cst.BooleanOperation(
+                        left=updated_node.left, operator=cst.Or(), right=add,
+                        lpar=[cst.LeftParen()], rpar=[cst.RightParen()],
+                    )
+                    return updated_node.with_changes(left=widened)
+                return updated_node
+
+        return Transformer(self.args["function"])
