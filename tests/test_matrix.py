@@ -1,0 +1,103 @@
+"""Every release in the support list, installed from its real wheel into a throwaway venv:
+apply (with every opt-in patch) -> semantic checks -> revert, with every RECORD hash equal after.
+Wheels are downloaded once into the shared cache (~/.cache/sm120patch/wheels)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import zipfile
+
+import pytest
+from packaging.version import Version
+
+from conftest import ServingEnv, Session, make_venv
+from sm120patch.errors import ExitCode
+from sm120patch.patchsets import load_catalog
+from sm120patch.semantics import CHECKS, unbound_names
+from sm120patch.wheels import fetch_wheel
+
+CATALOG = load_catalog(check_rewriters=False)
+RELEASES = [(ps.distribution, str(v)) for ps in CATALOG.patch_sets for v in sorted(ps.versions)]
+
+
+@pytest.fixture
+def fresh_env(tmp_path):
+    def make(*wheels) -> ServingEnv:
+        root = tmp_path / "venv"
+        make_venv(root, list(wheels))
+        (tmp_path / "home").mkdir()
+        return ServingEnv(root, tmp_path / "home")
+
+    return make
+
+
+@pytest.mark.parametrize("name, version", RELEASES, ids=[f"{n}-{v}" for n, v in RELEASES])
+def test_release_applies_and_reverts_exactly(fresh_env, wheel_cache, name, version):
+    env = fresh_env(fetch_wheel(name, version, wheel_cache))
+    session = Session(env)
+    patch_set = CATALOG.find(name, Version(version))
+    selector = "--flashinfer" if name == "flashinfer-python" else "--sglang"
+    opt_in = ",".join(p.id for p in patch_set.patches if not p.required)
+    pristine = {f: env.file(f).read_text() for f in patch_set.files}
+
+    assert session("status").exit_code == ExitCode.NOT_PATCHED
+    applied = session("apply", selector, version, *(["--with", opt_in] if opt_in else []))
+    assert applied.exit_code == 0, applied.output
+    for patch in patch_set.patches:
+        text = env.file(patch.file).read_text()
+        if patch.id in CHECKS:
+            ok, detail = CHECKS[patch.id](text)
+            assert ok, f"{patch.id}: {detail}"
+        if patch.file.endswith(".py"):  # what the patch uses, the module binds
+            assert set(unbound_names(text)) <= set(unbound_names(pristine[patch.file])), patch.id
+    status = session("status", "--json")
+    assert status.exit_code == ExitCode.OK, status.output
+    assert {p["state"] for d in json.loads(status.output)["distributions"] for p in d["patches"]} == {"applied"}
+    assert session("apply", selector, version, *(["--with", opt_in] if opt_in else [])).output.count("nothing to change") == 1
+
+    reverted = session("revert")
+    assert reverted.exit_code == 0, reverted.output
+    assert env.record_mismatches() == []
+
+
+def test_fixed_upstream_release_is_recognised(fresh_env, wheel_cache):
+    env = fresh_env(fetch_wheel("flashinfer-python", "0.6.17", wheel_cache))
+    session = Session(env)
+    status = session("status")
+    assert status.exit_code == ExitCode.OK
+    assert "flashinfer-python 0.6.17: fixed upstream" in status.output
+    assert "supports SM120 here natively (fixed upstream in 0.6.17)" in status.output
+    applied = session("apply")
+    assert applied.exit_code == 0
+    assert "nothing to do" in applied.output and "natively" in applied.output
+    assert env.record_mismatches() == []
+
+
+def test_a_local_build_with_an_unknown_version(fresh_env, wheel_cache):
+    """A build from a checkout reports '0.6.16.post4+local': no set pins it. Refused with the
+    nearest known releases; --force applies the closest set by meaning, shows the diff, records
+    it as unpinned; revert restores the build's own bytes."""
+    env = fresh_env(fetch_wheel("flashinfer-python", "0.6.16.post4", wheel_cache))
+    dist_info = next(env.site_packages.glob("flashinfer_python-*.dist-info"))
+    metadata = dist_info / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.6.16.post4", "Version: 0.6.16.post4+local", 1))
+    session = Session(env)
+
+    refused = session("apply")
+    assert refused.exit_code == ExitCode.REFUSED
+    assert "no patch set is pinned to flashinfer-python 0.6.16.post4+local" in refused.output
+    assert "nearest known below: 0.6.16.post4" in refused.output and "--force" in refused.output
+
+    forced = session("apply", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert "applied flashinfer-python.toml by meaning (--force), recorded as unpinned" in forced.output
+    assert "+        supported_major_versions=[9, 10, 12]" in forced.output
+    status = session("status")
+    assert "unpinned: no patch set pins 0.6.16.post4+local" in status.output
+    assert "jit-gate        applied" in status.output
+
+    assert session("revert").exit_code == 0
+    assert env.record_mismatches() == [f"{dist_info.name}/METADATA"]  # the test's own edit, nothing else
