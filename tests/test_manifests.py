@@ -11,6 +11,7 @@ from packaging.version import Version
 from sm120patch.errors import PatchDataError
 from sm120patch.manifests import build_manifest, load_manifest, manifest_path, render
 from sm120patch.patchsets import load_catalog
+from sm120patch.wheels import fetch_wheel
 
 
 @pytest.mark.parametrize("name, version, wheel_fixture", [
@@ -48,3 +49,19 @@ def test_a_wheel_of_another_release_is_refused(sglang_wheel):
     patch_set = load_catalog().find("flashinfer-python", Version("0.6.4"))
     with pytest.raises(PatchDataError, match="is not pinned by"):
         build_manifest(sglang_wheel, patch_set)
+
+
+@pytest.mark.parametrize("name, version", [("flashinfer-python", "0.6.12"), ("sglang", "0.5.21")])
+def test_a_sample_rebuilt_from_freshly_downloaded_wheels_is_byte_identical(tmp_path, name, version):
+    """Not from the shared cache: a new download from the package index."""
+    wheel = fetch_wheel(name, version, tmp_path)
+    patch_set = load_catalog().find(name, Version(version))
+    assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
+
+
+def test_every_pinned_release_has_a_manifest_for_every_file():
+    for patch_set in load_catalog().patch_sets:
+        for version in patch_set.versions:
+            manifest = load_manifest(patch_set.distribution, str(version))
+            assert manifest is not None, (patch_set.distribution, version)
+            assert set(manifest.files) == set(patch_set.files)

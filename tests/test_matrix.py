@@ -15,6 +15,7 @@ from packaging.version import Version
 
 from conftest import ServingEnv, Session, make_venv
 from sm120patch.errors import ExitCode
+from sm120patch.facts import SGLANG_AUTO_ENABLES_ON_SM120
 from sm120patch.patchsets import load_catalog
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
@@ -43,7 +44,10 @@ def test_release_applies_and_reverts_exactly(fresh_env, wheel_cache, name, versi
     opt_in = ",".join(p.id for p in patch_set.patches if not p.required)
     pristine = {f: env.file(f).read_text() for f in patch_set.files}
 
-    assert session("status").exit_code == ExitCode.NOT_PATCHED
+    status = session("status")
+    assert status.exit_code == ExitCode.NOT_PATCHED
+    auto_enables = name == "sglang" and Version(version) in SGLANG_AUTO_ENABLES_ON_SM120
+    assert ("turns fusion on by itself on SM120" in status.output) == auto_enables
     applied = session("apply", selector, version, *(["--with", opt_in] if opt_in else []))
     assert applied.exit_code == 0, applied.output
     for patch in patch_set.patches:
@@ -70,6 +74,7 @@ def test_fixed_upstream_release_is_recognised(fresh_env, wheel_cache):
     assert status.exit_code == ExitCode.OK
     assert "flashinfer-python 0.6.17: fixed upstream" in status.output
     assert "supports SM120 here natively (fixed upstream in 0.6.17)" in status.output
+    assert "trtllm_mnnvl_comm is [9, 10]" in status.output  # what stays gated even there
     applied = session("apply")
     assert applied.exit_code == 0
     assert "nothing to do" in applied.output and "natively" in applied.output

@@ -95,7 +95,9 @@ def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog
     if patch_set is None:
         if dist.version is not None and fixed_in is not None and dist.version >= fixed_in:
             result.fixed_upstream = True
-            result.reason = f"{dist.name} {dist.raw_version} supports SM120 here natively (fixed upstream in {fixed_in})"
+            still_gated = " ".join(n for ps in catalog.for_distribution(dist.name) for n in ps.notes if "gated" in n)
+            result.reason = (f"{dist.name} {dist.raw_version} supports SM120 here natively (fixed upstream in {fixed_in})"
+                             + (f". {still_gated}" if still_gated else ""))
         elif dist.raw_version in SDIST_ONLY.get(dist.name, ()):
             result.reason = (f"{dist.name} {dist.raw_version} was published as an sdist only: there is no wheel RECORD "
                              "to check its files against; upgrade to a release sm120patch knows (see `sm120patch list`)")
