@@ -90,12 +90,19 @@ class ChangeReport:
         return any(r.plan and r.plan.files for r in self.results)
 
 
-def _targets(env: TargetEnvironment, selectors: dict[str, str | bool | None]) -> list[tuple[str, str | None]]:
+def installed_targets(env: TargetEnvironment, selectors: dict[str, str | bool | None], *,
+                      skip: set[str] = frozenset()) -> list[str]:
+    named = {name for name, value in selectors.items() if value}
+    return [n for n in PATCHABLE if env.get(n) and n not in skip and (not named or n in named)]
+
+
+def _targets(env: TargetEnvironment, selectors: dict[str, str | bool | None], *,
+             skip: set[str] = frozenset()) -> list[tuple[str, str | None]]:
     """Which distributions to act on: the named ones (checking an asserted version), else all found."""
     named = {name: value for name, value in selectors.items() if value}
     chosen = []
     for name in PATCHABLE:
-        if named and name not in named:
+        if (named and name not in named) or name in skip:
             continue
         dist = env.get(name)
         wanted = named.get(name)
@@ -114,11 +121,26 @@ def _targets(env: TargetEnvironment, selectors: dict[str, str | bool | None]) ->
     return chosen
 
 
+def editable_sources(env: TargetEnvironment, selectors: dict[str, str | bool | None]) -> list[tuple[str, Path]]:
+    """Selected distributions installed in editable mode, with their source trees: those are
+    patched as a commit there, not in site-packages."""
+    from urllib.parse import unquote, urlparse
+
+    named = {name for name, value in selectors.items() if value}
+    found = []
+    for name in PATCHABLE:
+        dist = env.get(name)
+        if dist is not None and dist.editable and (not named or name in named):
+            found.append((name, Path(unquote(urlparse(dist.direct_url["url"]).path))))
+    return found
+
+
 def run_apply(
     env: TargetEnvironment,
     catalog: Catalog,
     *,
     selectors: dict[str, str | None],
+    skip: set[str] = frozenset(),
     with_ids: Sequence[str] = (),
     force: bool = False,
     dry_run: bool = False,
@@ -126,7 +148,7 @@ def run_apply(
     on_wait: Callable[[str], None] | None = None,
 ) -> ChangeReport:
     report = ChangeReport("apply", env, dry_run=dry_run, aot=jitcache.aot_shadows(env))
-    targets = _targets(env, selectors)
+    targets = _targets(env, selectors, skip=skip)
     unknown = set(with_ids) - {p.id for n, _ in targets for ps in catalog.for_distribution(n) for p in ps.patches}
     if unknown:
         raise UsageError(f"--with {','.join(sorted(unknown))}: no such patch for {', '.join(n for n, _ in targets)}")

@@ -29,6 +29,17 @@ jit_option = click.option(
     "Default: $FLASHINFER_WORKSPACE_BASE, else $HOME.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of text.")
+source_option = click.option(
+    "--source", metavar="PATH", default=None,
+    help="A git checkout of FlashInfer or SGLang to act on instead of an installed environment.",
+)
+
+
+def _apply_source(path, catalog, ids, force):
+    from sm120patch import source as source_tree
+
+    result = source_tree.apply_source(source_tree.open_tree(path), catalog, with_ids=ids, force=force)
+    click.echo(result.message)
 
 
 def handle_errors(command):
@@ -68,10 +79,18 @@ def cli() -> None:
 @cli.command(epilog=EXIT_CODES)
 @python_option
 @jit_option
+@source_option
 @json_option
 @handle_errors
-def status(python, jit_cache_base, as_json):
-    """Show what is installed, which patches are applied, stale JIT entries and AOT shadowing."""
+def status(python, jit_cache_base, source, as_json):
+    """Show what is installed, which patches are applied, stale JIT entries and AOT shadowing.
+    With --source: which patches a git checkout's HEAD has already."""
+    if source:
+        from sm120patch import patchsets, report, source as source_tree
+
+        result = source_tree.source_status(source_tree.open_tree(source), patchsets.load_catalog(check_rewriters=False))
+        click.echo(json.dumps(report.source_status_json(result), indent=2) if as_json else report.render_source_status(result))
+        sys.exit(int(ExitCode.OK if result.in_head and all(result.in_head[p.id] for p in result.patch_set.patches if p.required) else ExitCode.NOT_PATCHED))
     from sm120patch import environment
 
     probe = environment.start_probe(python)  # runs while the rest is imported
@@ -96,21 +115,35 @@ def status(python, jit_cache_base, as_json):
 @click.option("--force", is_flag=True,
               help="Patch files that are not the release's bytes (drift), by meaning rather than by hash.")
 @jit_option
+@source_option
 @json_option
 @handle_errors
-def apply(flashinfer, sglang, with_ids, python, dry_run, force, jit_cache_base, as_json):
+def apply(flashinfer, sglang, with_ids, python, dry_run, force, jit_cache_base, source, as_json):
     """Apply the patch set pinned to each installed release.
 
     With no --flashinfer/--sglang, every installed distribution that has a patch set is patched.
-    Required patches always; opt-in ones only with --with. Re-applying changes nothing."""
+    Required patches always; opt-in ones only with --with. Re-applying changes nothing.
+    With --source, or for an editable install, the patch becomes a commit on the branch
+    sm120patch/<dist>-<version> of that git checkout instead."""
     from sm120patch import actions, environment, jitcache, patchsets, report
 
-    env = environment.locate(python)
     catalog = patchsets.load_catalog()
+    ids = [i.strip() for i in with_ids.split(",") if i.strip()]
+    if source:
+        return _apply_source(source, catalog, ids, force)
+    env = environment.locate(python)
+    selectors = {"flashinfer-python": flashinfer, "sglang": sglang}
+    routed = actions.editable_sources(env, selectors)
+    for name, path in routed:
+        click.echo(f"{name} is an editable install of {path}: patching that source tree as a commit instead", err=True)
+        _apply_source(str(path), catalog, ids, force)
+    skip = {name for name, _ in routed}
+    if skip and not actions.installed_targets(env, selectors, skip=skip):
+        return
     result = actions.run_apply(
         env, catalog,
-        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
-        with_ids=[i.strip() for i in with_ids.split(",") if i.strip()],
+        selectors=selectors, skip=skip,
+        with_ids=ids,
         force=force, dry_run=dry_run,
         jit_base=jitcache.cache_base(jit_cache_base), on_wait=_wait_message,
     )
@@ -123,11 +156,19 @@ def apply(flashinfer, sglang, with_ids, python, dry_run, force, jit_cache_base, 
 @python_option
 @click.option("--force", is_flag=True, help="Restore the release's bytes even over files edited after patching.")
 @jit_option
+@source_option
 @json_option
 @handle_errors
-def revert(flashinfer, sglang, python, force, jit_cache_base, as_json):
-    """Restore the release's original bytes of every patched file (checked against RECORD)."""
+def revert(flashinfer, sglang, python, force, jit_cache_base, source, as_json):
+    """Restore the release's original bytes of every patched file (checked against RECORD).
+    With --source: back to the original branch, deleting sm120patch's branch if it is unchanged."""
     from sm120patch import actions, environment, jitcache, patchsets, report
+
+    if source:
+        from sm120patch import source as source_tree
+
+        click.echo(source_tree.revert_source(source_tree.open_tree(source)))
+        return
 
     env = environment.locate(python)
     catalog = patchsets.load_catalog()
@@ -197,6 +238,42 @@ def doctor(python, jit_cache_base, as_json):
                                            jit_base=jitcache.cache_base(jit_cache_base))
     checks.examine_environment(result, status_report)
     click.echo(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
+
+
+@cli.command()
+@click.option("--flashinfer", metavar="VER", default=None, help="Only flashinfer-python (installed at VER).")
+@click.option("--sglang", metavar="VER", default=None, help="Only sglang (installed at VER).")
+@click.option("--with", "with_ids", metavar="ID,...", default="", help="Include these opt-in patches.")
+@python_option
+@handle_errors
+def diff(flashinfer, sglang, with_ids, python):
+    """Print the unified diff apply would make, with paths from the package root
+    (site-packages): `git apply` and `patch -p1` accept it there. Changes nothing."""
+    from sm120patch import actions, environment, jitcache, patchsets
+
+    result = actions.run_apply(
+        environment.locate(python), patchsets.load_catalog(),
+        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
+        with_ids=[i.strip() for i in with_ids.split(",") if i.strip()],
+        dry_run=True, jit_base=jitcache.cache_base(),
+    )
+    for r in result.results:
+        for planned in (r.plan.files if r.plan else ()):
+            click.echo(planned.diff(r.plan.assessment.dist.location), nl=False)
+
+
+@cli.command()
+@click.option("--source", metavar="PATH", required=True, help="The git checkout sm120patch committed to.")
+@click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
+@handle_errors
+def export(source, out):
+    """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
+    from pathlib import Path
+
+    from sm120patch import source as source_tree
+
+    for path in source_tree.export_source(source_tree.open_tree(source), Path(out)):
+        click.echo(f"wrote {path}")
 
 
 @cli.command("list")

@@ -240,7 +240,7 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
             continue
         current = fa.path.read_bytes()
         if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, semantically
-            data = _force_edits(current, wanted, where=str(fa.path))
+            data = apply_by_meaning(current, wanted, where=str(fa.path))
             base, unpinned = current, True
             if data == current:
                 unchanged.append(relpath)
@@ -261,7 +261,7 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
                 )
             original = None
         if assessment.unpinned:  # no manifest: the rewriters' exact site counts are the check
-            data, unpinned = _force_edits(pristine, wanted, where=str(fa.path)), True
+            data, unpinned = apply_by_meaning(pristine, wanted, where=str(fa.path)), True
         else:
             data = apply_edits(pristine, wanted, where=str(fa.path))
             if sha256(data) != expected.patched.get(key):
@@ -274,7 +274,9 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
     return Plan(assessment, tuple(planned), tuple(unchanged), record)
 
 
-def _force_edits(source: bytes, patches: Sequence[Patch], *, where: str) -> bytes:
+def apply_by_meaning(source: bytes, patches: Sequence[Patch], *, where: str) -> bytes:
+    """Every edit of ``patches``, tolerating edits already present (--force, source trees,
+    unpinned releases); each rewriter still requires its exact site count."""
     from sm120patch.rewriters import AlreadyApplied, Changed, create
 
     for patch in patches:

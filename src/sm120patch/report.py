@@ -47,6 +47,9 @@ def render_status(report: StatusReport) -> str:
         a = status.assessment
         lines.append("")
         lines.append(f"{a.dist.name} {a.dist.raw_version}: {overall(a)}" + (f"  ({a.dist.location})"))
+        if a.dist.editable:
+            lines.append(f"  editable install of {a.dist.direct_url.get('url')}: `apply` patches that source tree "
+                         "as a commit; `status --source PATH` shows it")
         if a.patch_set is None:
             lines.append(f"  {a.reason}")
             continue
@@ -114,6 +117,7 @@ def status_json(report: StatusReport) -> dict:
             "name": a.dist.name,
             "version": a.dist.raw_version,
             "location": str(a.dist.location),
+            "editable": a.dist.editable,
             "state": overall(a),
             "patch_set": a.patch_set.source.name if a.patch_set else None,
             "reason": a.reason or None,
@@ -267,4 +271,29 @@ def list_json(catalog) -> dict:
             },
         }
         for name in ("flashinfer-python", "sglang")
+    }
+
+
+def render_source_status(status) -> str:
+    tree = status.tree
+    lines = [f"{tree.distribution} {tree.raw_version} source tree at {tree.root}"]
+    if status.patch_set is None:
+        lines.append("  sm120patch knows no patch set for it")
+        return "\n".join(lines)
+    for patch in status.patch_set.patches:
+        kind = "" if patch.required else " (opt-in)"
+        lines.append(f"  {patch.id:<16} {'in HEAD' if status.in_head[patch.id] else 'not in HEAD'}{kind}")
+    if status.branch:
+        lines.append(f"  sm120patch's branch: {status.branch}")
+    return "\n".join(lines)
+
+
+def source_status_json(status) -> dict:
+    return {
+        "root": str(status.tree.root),
+        "distribution": status.tree.distribution,
+        "version": status.tree.raw_version,
+        "patch_set": status.patch_set.source.name if status.patch_set else None,
+        "in_head": status.in_head,
+        "branch": status.branch,
     }

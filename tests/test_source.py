@@ -1,0 +1,196 @@
+"""Source checkouts: real git trees in the upstream layout, built from the real wheels' files
+(FlashInfer keeps include/ and csrc/ at the repository root, SGLang lives under python/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import git
+import pytest
+from click.testing import CliRunner
+
+from sm120patch.cli import cli
+from sm120patch.errors import ExitCode
+from sm120patch.wheels import fetch_wheel
+
+FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/jit/comm.py", "include/flashinfer/comm/trtllm_allreduce.cuh"]
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def new_repo(root: Path) -> git.Repo:
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Upstream Dev")
+        config.set_value("user", "email", "dev@example.org")
+    return repo
+
+
+def flashinfer_tree(wheel: Path, root: Path, version: str) -> git.Repo:
+    """FlashInfer's repository layout from its wheel: data/include -> include, data/csrc -> csrc."""
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            for prefix, target in (("flashinfer/data/include/", "include/"), ("flashinfer/data/csrc/", "csrc/")):
+                if name.startswith(prefix):
+                    break
+            else:
+                prefix, target = ("flashinfer/", "flashinfer/") if name.startswith("flashinfer/") and not name.startswith("flashinfer/data/") else ("", None)
+            if target is None or name.endswith("/"):
+                continue
+            path = root / (target + name[len(prefix):])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(archive.read(name))
+    (root / "version.txt").write_text(version + "\n")
+    repo = new_repo(root)
+    repo.git.add(A=True)
+    repo.index.commit(f"FlashInfer v{version}")
+    return repo
+
+
+def sglang_tree(wheel: Path, root: Path, version: str) -> git.Repo:
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if name.startswith("sglang/") and not name.endswith("/"):
+                path = root / "python" / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(archive.read(name))
+    repo = new_repo(root)
+    repo.git.add(A=True)
+    repo.index.commit(f"SGLang v{version}")
+    repo.create_tag(f"v{version}")
+    return repo
+
+
+@pytest.fixture
+def flashinfer_repo(tmp_path, flashinfer_wheel):
+    return flashinfer_tree(flashinfer_wheel, tmp_path / "flashinfer", "0.6.4")
+
+
+@pytest.fixture
+def sglang_repo(tmp_path, sglang_wheel):
+    return sglang_tree(sglang_wheel, tmp_path / "sglang", "0.5.9")
+
+
+def changed_files(repo: git.Repo, rev: str = "HEAD") -> list[str]:
+    return sorted(repo.git.show("--name-only", "--format=", rev).split())
+
+
+def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_repo):
+    root = flashinfer_repo.working_tree_dir
+    base = flashinfer_repo.head.commit.hexsha
+    before = run("status", "--source", root)
+    assert before.exit_code == ExitCode.NOT_PATCHED and before.output.count("not in HEAD") == 3
+
+    result = run("apply", "--source", root)
+    assert result.exit_code == 0, result.output
+    assert "on sm120patch/flashinfer-python-0.6.4 (3 file(s))" in result.output
+    assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
+    head = flashinfer_repo.head.commit
+    assert [p.hexsha for p in head.parents] == [base]
+    assert changed_files(flashinfer_repo) == FLASHINFER_FILES  # exactly the patched files
+    message = head.message
+    assert "sm120patch: enable SM120 fused allreduce in flashinfer-python 0.6.4" in message
+    assert message.count("Forwarded: https://github.com/flashinfer-ai/flashinfer/pull/3903") == 3
+    assert "Applied-Upstream: 0.6.17" in message and "Sm120patch-Pinned: yes" in message
+    assert "supported_major_versions=[9, 10, 12]" in (Path(root) / "flashinfer/jit/comm.py").read_text()
+    assert not flashinfer_repo.is_dirty(untracked_files=True)
+
+    after = run("status", "--source", root)
+    assert after.exit_code == 0 and after.output.count("in HEAD") == 3 and "not in HEAD" not in after.output
+
+
+def test_exported_patch_applies_with_git_am_on_a_fresh_copy(flashinfer_repo, tmp_path):
+    root = flashinfer_repo.working_tree_dir
+    base = flashinfer_repo.head.commit.hexsha
+    assert run("apply", "--source", root).exit_code == 0
+    exported = run("export", "--source", root, "--out", str(tmp_path / "patches"))
+    assert exported.exit_code == 0, exported.output
+    (patch,) = sorted((tmp_path / "patches").glob("*.patch"))
+    fresh = git.Repo.clone_from(root, tmp_path / "fresh")
+    with fresh.config_writer() as config:
+        config.set_value("user", "name", "Reviewer")
+        config.set_value("user", "email", "reviewer@example.org")
+    fresh.git.checkout("-b", "review", base)
+    fresh.git.am(str(patch))
+    assert fresh.head.commit.tree.hexsha == flashinfer_repo.head.commit.tree.hexsha
+
+
+def test_revert_returns_to_the_original_branch(flashinfer_repo):
+    root = flashinfer_repo.working_tree_dir
+    assert run("apply", "--source", root).exit_code == 0
+    result = run("revert", "--source", root)
+    assert result.exit_code == 0, result.output
+    assert flashinfer_repo.active_branch.name == "main"
+    assert "sm120patch/flashinfer-python-0.6.4" not in flashinfer_repo.heads
+    assert run("status", "--source", root).output.count("not in HEAD") == 3
+
+
+def test_revert_keeps_a_branch_someone_committed_to(flashinfer_repo):
+    root = flashinfer_repo.working_tree_dir
+    assert run("apply", "--source", root).exit_code == 0
+    (Path(root) / "NOTES.md").write_text("benchmarks\n")
+    flashinfer_repo.index.add(["NOTES.md"])
+    flashinfer_repo.index.commit("my notes")
+    result = run("revert", "--source", root)
+    assert result.exit_code == ExitCode.REFUSED and "commits sm120patch did not make" in result.output
+    assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
+
+
+def test_a_dirty_tree_is_refused(flashinfer_repo):
+    root = Path(flashinfer_repo.working_tree_dir)
+    (root / "flashinfer/jit/comm.py").write_text((root / "flashinfer/jit/comm.py").read_text() + "# wip\n")
+    result = run("apply", "--source", str(root))
+    assert result.exit_code == ExitCode.REFUSED and "uncommitted changes" in result.output
+    assert [h.name for h in flashinfer_repo.heads] == ["main"]
+
+
+def test_sglang_tree_with_an_opt_in_patch(sglang_repo):
+    root = sglang_repo.working_tree_dir
+    result = run("apply", "--source", root, "--with", "symm-mem")
+    assert result.exit_code == 0, result.output
+    assert changed_files(sglang_repo) == [
+        "python/sglang/srt/distributed/device_communicators/all_reduce_utils.py",
+        "python/sglang/srt/layers/communicator.py",
+    ]
+    assert sglang_repo.active_branch.name == "sm120patch/sglang-0.5.9"
+
+
+def test_a_checkout_at_the_upstream_fix_has_every_patch_in_head(tmp_path, wheel_cache):
+    repo = flashinfer_tree(fetch_wheel("flashinfer-python", "0.6.17", wheel_cache), tmp_path / "fi", "0.6.17")
+    status = run("status", "--source", repo.working_tree_dir)
+    assert status.exit_code == 0 and status.output.count("in HEAD") == 3 and "not in HEAD" not in status.output
+
+
+def test_not_a_checkout(tmp_path):
+    result = run("apply", "--source", str(tmp_path))
+    assert result.exit_code == ExitCode.USAGE and "not a git checkout" in result.output
+
+
+def test_an_editable_install_is_patched_in_its_source_tree(sm120patch, serving_env, sglang_repo):
+    """pip records an editable install in direct_url.json; apply routes it to source mode."""
+    dist_info = next(serving_env.site_packages.glob("sglang-*.dist-info"))
+    (dist_info / "direct_url.json").write_text(json.dumps(
+        {"url": Path(sglang_repo.working_tree_dir).as_uri(), "dir_info": {"editable": True}}))
+    assert f"editable install of {Path(sglang_repo.working_tree_dir).as_uri()}" in sm120patch("status").output
+    result = sm120patch("apply", "--sglang", "0.5.9")
+    assert result.exit_code == 0, result.output
+    assert "sglang is an editable install of" in result.output
+    assert sglang_repo.active_branch.name == "sm120patch/sglang-0.5.9"
+    # site-packages untouched (but for the direct_url.json this test wrote)
+    assert serving_env.record_mismatches() == [f"{dist_info.name}/direct_url.json"]
+
+
+def test_diff_is_accepted_by_patch_p1_from_site_packages(serving_env, tmp_path):
+    diff = CliRunner().invoke(cli, ["diff", "--python", str(serving_env.python), "--flashinfer", "0.6.4"],
+                              catch_exceptions=False)
+    assert diff.exit_code == 0
+    patch_file = tmp_path / "sm120.patch"
+    patch_file.write_text(diff.output)
+    subprocess.run(["patch", "-p1", "--dry-run", "-i", str(patch_file)], cwd=serving_env.site_packages, check=True,
+                   capture_output=True)
+    subprocess.run(["git", "apply", "--check", str(patch_file)], cwd=serving_env.site_packages, check=True)
