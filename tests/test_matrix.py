@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from conftest import ServingEnv, Session, make_venv
 from sm120patch.errors import ExitCode
-from sm120patch.facts import SGLANG_AUTO_ENABLES_ON_SM120
+from sm120patch.facts import sglang_auto_enables_fusion
 from sm120patch.patchsets import load_catalog
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
@@ -46,7 +46,7 @@ def test_release_applies_and_reverts_exactly(fresh_env, wheel_cache, name, versi
 
     status = session("status")
     assert status.exit_code == ExitCode.NOT_PATCHED
-    auto_enables = name == "sglang" and Version(version) in SGLANG_AUTO_ENABLES_ON_SM120
+    auto_enables = name == "sglang" and sglang_auto_enables_fusion(Version(version))
     assert ("turns fusion on by itself on SM120" in status.output) == auto_enables
     applied = session("apply", selector, version, *(["--with", opt_in] if opt_in else []))
     assert applied.exit_code == 0, applied.output

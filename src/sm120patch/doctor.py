@@ -13,10 +13,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from sm120patch.actions import StatusReport
-from sm120patch.facts import SGLANG_AUTO_ENABLES_ON_SM120
+from sm120patch.facts import sglang_auto_enables_fusion
 from sm120patch.report import overall
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -178,17 +178,13 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
                    f"{a.dist.name} {a.dist.raw_version}: {overall(a)}" + (f" ({a.reason})" if a.reason else ""))
         if a.patch_set is not None and a.patch_set.fixed_in:
             report.add("info", f"{a.dist.name} {a.patch_set.fixed_in} and later support SM120 here natively ({a.patch_set.upstream})")
-        if a.dist.name == "sglang" and a.dist.version is not None:
-            try:
-                auto = a.dist.version in SGLANG_AUTO_ENABLES_ON_SM120
-            except InvalidVersion:
-                auto = False
-            if auto:
+        if a.dist.name == "sglang":
+            if sglang_auto_enables_fusion(a.dist.version):
                 report.add("warn", f"sglang {a.dist.raw_version} turns fusion on by itself on SM120 (is_blackwell_supported()): "
-                           "with a patched FlashInfer it runs without --enable-flashinfer-allreduce-fusion")
+                           "once sm120patch's patches are applied it runs without --enable-flashinfer-allreduce-fusion")
             else:
                 report.add("info", f"sglang {a.dist.raw_version} uses fusion on SM120 only with --enable-flashinfer-allreduce-fusion"
-                           " (or the opt-in patch auto-enable)")
+                           " (or, on 0.5.8 to 0.5.14, the opt-in patch auto-enable)")
     if not status.distributions:
         report.add("info", "neither flashinfer-python nor sglang is installed in this environment")
     for shadow in status.aot:

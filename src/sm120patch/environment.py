@@ -31,6 +31,14 @@ COMPANIONS = (FLASHINFER_JIT_CACHE, "flashinfer-cubin")
 PROBE_TIMEOUT_S = 60
 
 
+def parse_version(raw: str) -> Version | None:
+    """A PEP 440 version, or None for a string that is not one (a fork's own scheme)."""
+    try:
+        return Version(raw)
+    except InvalidVersion:
+        return None
+
+
 def normalize_name(name: str) -> str:
     """PEP 503 name normalization (what packaging.utils.canonicalize_name does, without
     importing packaging.tags on the status path)."""
@@ -75,10 +83,7 @@ class InstalledDistribution:
 
     @property
     def version(self) -> Version | None:
-        try:
-            return Version(self.raw_version)
-        except InvalidVersion:
-            return None
+        return parse_version(self.raw_version)
 
     @property
     def editable(self) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sm120patch.actions import ChangeReport, StatusReport
 from sm120patch.errors import ExitCode
-from sm120patch.facts import SDIST_ONLY, SGLANG_AUTO_ENABLES_ON_SM120
+from sm120patch.facts import SDIST_ONLY, sglang_auto_enables_fusion
 from sm120patch.plan import DistributionAssessment, PatchState
 
 AOT_HINT = (
@@ -76,7 +76,7 @@ def render_status(report: StatusReport) -> str:
             lines.append("  ! applied with --force to bytes no vendor manifest vouches for (unpinned)")
         if a.patch_set.fixed_in:
             lines.append(f"  upstream fix: {a.patch_set.fixed_in} ({a.patch_set.upstream})")
-        if a.dist.name == "sglang" and a.dist.version in SGLANG_AUTO_ENABLES_ON_SM120:
+        if a.dist.name == "sglang" and sglang_auto_enables_fusion(a.dist.version):
             lines.append(f"  ! sglang {a.dist.raw_version} turns fusion on by itself on SM120 (is_blackwell_supported()): "
                          "with fusion-gate applied it runs without --enable-flashinfer-allreduce-fusion")
         for note in a.patch_set.notes:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from sm120patch import __version__
+from sm120patch.environment import parse_version
 from sm120patch.errors import RefusedError, UsageError
 from sm120patch.manifests import load_manifest
 from sm120patch.patchsets import Catalog, Patch, PatchSet
@@ -47,10 +48,7 @@ class SourceTree:
 
     @property
     def version(self) -> Version | None:
-        try:
-            return Version(self.raw_version)
-        except InvalidVersion:
-            return None
+        return parse_version(self.raw_version)
 
     @property
     def state_path(self) -> Path:
