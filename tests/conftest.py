@@ -3,7 +3,6 @@ without dependencies into throwaway virtual environments; and the CLI, run in-pr
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 
 from sm120patch.errors import ExitCode
 

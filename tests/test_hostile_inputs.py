@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ServingEnv, make_venv
+from conftest import ServingEnv
 from sm120patch.errors import ExitCode
 from sm120patch.state import DistributionState
 

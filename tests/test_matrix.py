@@ -5,10 +5,6 @@ Wheels are downloaded once into the shared cache (~/.cache/sm120patch/wheels).""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
-import zipfile
 
 import pytest
 from packaging.version import Version

@@ -8,7 +8,7 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from sm120patch.environment import InstalledDistribution, InstalledFiles, TargetEnvironment
 from sm120patch.errors import PatchDataError, RefusedError

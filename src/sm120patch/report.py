@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from sm120patch.actions import ChangeReport, StatusReport
 from sm120patch.errors import ExitCode
