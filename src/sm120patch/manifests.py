@@ -81,17 +81,26 @@ def load_manifest(distribution: str, version: str, root: Path | None = None) -> 
         raise PatchDataError(f"{path}: malformed manifest ({exc})") from None
 
 
-def apply_edits(source: bytes, patches: Sequence[Patch], *, where: str) -> bytes:
-    """Run every edit of ``patches`` on ``source``, which must be pristine for all of them."""
-    from sm120patch.rewriters import Changed, create
+def apply_edits(source: bytes, patches: Sequence[Patch], *, where: str, by_meaning: bool = False) -> bytes:
+    """Run every edit of ``patches`` on ``source``. Pinned use (the default): the source must be
+    pristine for all of them, anything else is inconsistent patch data. ``by_meaning`` (--force,
+    unpinned releases, source trees): edits already present are skipped, and a rewriter that
+    finds another site count refuses the file; exact site counts hold either way."""
+    from sm120patch.errors import RefusedError
+    from sm120patch.rewriters import AlreadyApplied, Changed, create
 
     for patch in patches:
         for edit in patch.edits:
             result = create(edit.rewriter, edit.params).rewrite(source, sites=edit.sites)
-            if not isinstance(result, Changed):
+            if isinstance(result, Changed):
+                source = result.source
+            elif by_meaning and isinstance(result, AlreadyApplied):
+                continue
+            elif by_meaning:
+                raise RefusedError(f"--force: cannot apply {patch.id} to {where}: {result.reason}")
+            else:
                 detail = getattr(result, "reason", "already applied in the pristine file")
                 raise PatchDataError(f"{where}: patch {patch.id} ({edit.rewriter}): {detail}")
-            source = result.source
     return source
 
 

@@ -167,6 +167,17 @@ def _assess_file(tree: InstalledFiles, relpath: str, manifest: Manifest) -> File
     return FileAssessment(relpath, path, FileState.DRIFTED, digest, detail="bytes match neither the release nor a patched form")
 
 
+def text_diff(before: bytes, after: bytes, before_label: str, after_label: str) -> str:
+    return "".join(
+        difflib.unified_diff(
+            before.decode("utf-8", "replace").splitlines(keepends=True),
+            after.decode("utf-8", "replace").splitlines(keepends=True),
+            fromfile=before_label,
+            tofile=after_label,
+        )
+    )
+
+
 @dataclass(frozen=True)
 class PlannedFile:
     relpath: str
@@ -180,14 +191,7 @@ class PlannedFile:
 
     def diff(self, root: Path) -> str:
         label = self.path.relative_to(root).as_posix()
-        return "".join(
-            difflib.unified_diff(
-                self.current.decode("utf-8", "replace").splitlines(keepends=True),
-                self.data.decode("utf-8", "replace").splitlines(keepends=True),
-                fromfile=f"a/{label}",
-                tofile=f"b/{label}",
-            )
-        )
+        return text_diff(self.current, self.data, f"a/{label}", f"b/{label}")
 
 
 @dataclass(frozen=True)
@@ -203,14 +207,7 @@ def _drift_refusal(assessment: DistributionAssessment, fa: FileAssessment, verb:
     diff = ""
     original = assessment.state.original(fa.relpath)
     if original.exists() and fa.state is FileState.DRIFTED:
-        diff = "".join(
-            difflib.unified_diff(
-                original.read_text("utf-8", "replace").splitlines(keepends=True),
-                fa.path.read_text("utf-8", "replace").splitlines(keepends=True),
-                fromfile=f"release/{fa.relpath}",
-                tofile=f"installed/{fa.relpath}",
-            )
-        )
+        diff = text_diff(original.read_bytes(), fa.path.read_bytes(), f"release/{fa.relpath}", f"installed/{fa.relpath}")
     what = "is missing" if fa.state is FileState.MISSING else f"is not the {dist.raw_version} release's bytes ({fa.detail})"
     error = RefusedError(
         f"refusing to {verb} {dist.name}: {fa.path} {what}",
@@ -240,7 +237,7 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
             continue
         current = fa.path.read_bytes()
         if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, semantically
-            data = apply_by_meaning(current, wanted, where=str(fa.path))
+            data = apply_edits(current, wanted, where=str(fa.path), by_meaning=True)
             base, unpinned = current, True
             if data == current:
                 unchanged.append(relpath)
@@ -252,16 +249,10 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
         if fa.state is FileState.PRISTINE:
             pristine, original = current, current
         else:  # applied with fewer patches: rebuild from the saved original
-            saved = assessment.state.original(relpath)
-            pristine = saved.read_bytes() if saved.exists() else b""
-            if sha256(pristine) != expected.pristine:
-                raise RefusedError(
-                    f"cannot add patches to {fa.path}: sm120patch's saved original is missing or corrupt",
-                    hint=f"run `sm120patch revert` after `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
-                )
+            pristine = _saved_original(assessment, fa, expected.pristine, "add patches to")
             original = None
         if assessment.unpinned:  # no manifest: the rewriters' exact site counts are the check
-            data, unpinned = apply_by_meaning(pristine, wanted, where=str(fa.path)), True
+            data, unpinned = apply_edits(pristine, wanted, where=str(fa.path), by_meaning=True), True
         else:
             data = apply_edits(pristine, wanted, where=str(fa.path))
             if sha256(data) != expected.patched.get(key):
@@ -274,19 +265,16 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
     return Plan(assessment, tuple(planned), tuple(unchanged), record)
 
 
-def apply_by_meaning(source: bytes, patches: Sequence[Patch], *, where: str) -> bytes:
-    """Every edit of ``patches``, tolerating edits already present (--force, source trees,
-    unpinned releases); each rewriter still requires its exact site count."""
-    from sm120patch.rewriters import AlreadyApplied, Changed, create
-
-    for patch in patches:
-        for edit in patch.edits:
-            result = create(edit.rewriter, edit.params).rewrite(source, sites=edit.sites)
-            if isinstance(result, Changed):
-                source = result.source
-            elif not isinstance(result, AlreadyApplied):
-                raise RefusedError(f"--force: cannot apply {patch.id} to {where}: {result.reason}")
-    return source
+def _saved_original(assessment: DistributionAssessment, fa: FileAssessment, expected: str, verb: str) -> bytes:
+    """The release's bytes sm120patch saved for ``fa``, checked against ``expected``."""
+    saved = assessment.state.original(fa.relpath)
+    data = saved.read_bytes() if saved.exists() else None
+    if data is None or sha256(data) != expected:
+        raise RefusedError(
+            f"cannot {verb} {fa.path}: sm120patch's saved original is missing or corrupt",
+            hint=f"restore it with `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
+        )
+    return data
 
 
 def plan_revert(assessment: DistributionAssessment, *, force: bool = False) -> Plan:
@@ -306,13 +294,7 @@ def plan_revert(assessment: DistributionAssessment, *, force: bool = False) -> P
             raise _drift_refusal(assessment, fa, "revert")
         if fa.sha256 != applied.patched and not force:
             raise _drift_refusal(assessment, fa, "revert")
-        saved = assessment.state.original(relpath)
-        data = saved.read_bytes() if saved.exists() else None
-        if data is None or sha256(data) != applied.pristine:
-            raise RefusedError(
-                f"cannot revert {fa.path}: sm120patch's saved original is missing or corrupt",
-                hint=f"restore it with `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
-            )
+        data = _saved_original(assessment, fa, applied.pristine, "revert")
         current = fa.path.read_bytes()
         planned.append(PlannedFile(relpath, fa.path, sha256(current), applied.pristine, data, current, (), None))
     return Plan(assessment, tuple(planned), tuple(unchanged), None)

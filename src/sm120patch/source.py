@@ -20,7 +20,7 @@ from packaging.version import Version
 from sm120patch import __version__
 from sm120patch.environment import parse_version
 from sm120patch.errors import RefusedError, UsageError
-from sm120patch.manifests import load_manifest
+from sm120patch.manifests import apply_edits, load_manifest
 from sm120patch.patchsets import Catalog, Patch, PatchSet
 from sm120patch.semantics import CHECKS
 
@@ -141,8 +141,6 @@ class SourceApply:
 
 
 def apply_source(tree: SourceTree, catalog: Catalog, *, with_ids: Sequence[str] = (), force: bool = False) -> SourceApply:
-    from sm120patch.plan import apply_by_meaning  # the by-meaning application, exact site counts
-
     repo = tree.repo
     if repo.is_dirty(untracked_files=True):
         raise RefusedError(f"{tree.root} has uncommitted changes or untracked files",
@@ -167,7 +165,7 @@ def apply_source(tree: SourceTree, catalog: Catalog, *, with_ids: Sequence[str] 
         if manifest is None or hashlib.sha256(current).hexdigest() != manifest.files[relpath].pristine:
             pinned = False
         wanted = [p for p in selected if p.file == relpath]
-        new = apply_by_meaning(current, wanted, where=repo_path(tree.distribution, relpath))
+        new = apply_edits(current, wanted, where=repo_path(tree.distribution, relpath), by_meaning=True)
         if new != current:
             changes[relpath] = new
             applied += wanted
