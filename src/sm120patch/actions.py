@@ -85,10 +85,6 @@ class ChangeReport:
     aot: list[jitcache.AotShadow] = field(default_factory=list)
     dry_run: bool = False
 
-    @property
-    def changed(self) -> bool:
-        return any(r.plan and r.plan.files for r in self.results)
-
 
 def installed_targets(env: TargetEnvironment, selectors: dict[str, str | bool | None], *,
                       skip: set[str] = frozenset()) -> list[str]:

@@ -197,8 +197,7 @@ class PlannedFile:
 @dataclass(frozen=True)
 class Plan:
     assessment: DistributionAssessment
-    files: tuple[PlannedFile, ...]
-    unchanged: tuple[str, ...]  # relpaths already in the wanted state
+    files: tuple[PlannedFile, ...]  # only what changes; files already as wanted are left out
     new_record: AppliedRecord | None
 
 
@@ -222,7 +221,7 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
     patch_set, manifest = assessment.patch_set, assessment.manifest
     assert patch_set is not None and manifest is not None
     record_files: dict[str, AppliedFile] = dict(assessment.record.files) if assessment.record else {}
-    planned, unchanged = [], []
+    planned = []
     unpinned = bool(assessment.record and assessment.record.unpinned)
     for relpath in dict.fromkeys(p.file for p in selected):
         fa = assessment.files[relpath]
@@ -233,14 +232,12 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
         if fa.state is FileState.MISSING or (fa.state is FileState.DRIFTED and not force):
             raise _drift_refusal(assessment, fa, "patch")
         if fa.state is FileState.APPLIED and set(fa.applied) == wanted_ids:
-            unchanged.append(relpath)
             continue
         current = fa.path.read_bytes()
         if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, semantically
             data = apply_edits(current, wanted, where=str(fa.path), by_meaning=True)
             base, unpinned = current, True
             if data == current:
-                unchanged.append(relpath)
                 continue
             planned.append(PlannedFile(relpath, fa.path, fa.sha256, sha256(data), data, current,
                                        tuple(p.id for p in wanted), current))
@@ -262,7 +259,7 @@ def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *,
         record_files[relpath] = AppliedFile(tuple(p.id for p in wanted), expected.pristine, sha256(data))
     record = AppliedRecord(assessment.dist.name, assessment.dist.raw_version, record_files, unpinned,
                            patch_set.source.name)
-    return Plan(assessment, tuple(planned), tuple(unchanged), record)
+    return Plan(assessment, tuple(planned), record)
 
 
 def _saved_original(assessment: DistributionAssessment, fa: FileAssessment, expected: str, verb: str) -> bytes:
@@ -279,11 +276,10 @@ def _saved_original(assessment: DistributionAssessment, fa: FileAssessment, expe
 
 def plan_revert(assessment: DistributionAssessment, *, force: bool = False) -> Plan:
     record = assessment.record
-    planned, unchanged = [], []
+    planned = []
     for relpath, fa in assessment.files.items():
         applied = record.files.get(relpath) if record else None
         if fa.state is FileState.PRISTINE:
-            unchanged.append(relpath)
             continue
         if applied is None:
             if fa.state is FileState.APPLIED:
@@ -297,4 +293,4 @@ def plan_revert(assessment: DistributionAssessment, *, force: bool = False) -> P
         data = _saved_original(assessment, fa, applied.pristine, "revert")
         current = fa.path.read_bytes()
         planned.append(PlannedFile(relpath, fa.path, sha256(current), applied.pristine, data, current, (), None))
-    return Plan(assessment, tuple(planned), tuple(unchanged), None)
+    return Plan(assessment, tuple(planned), None)
