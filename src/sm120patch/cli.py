@@ -90,7 +90,7 @@ def status(python, jit_cache_base, source, as_json):
 
         result = source_tree.source_status(source_tree.open_tree(source), patchsets.load_catalog(check_rewriters=False))
         click.echo(json.dumps(report.source_status_json(result), indent=2) if as_json else report.render_source_status(result))
-        sys.exit(int(ExitCode.OK if result.in_head and all(result.in_head[p.id] for p in result.patch_set.patches if p.required) else ExitCode.NOT_PATCHED))
+        sys.exit(int(report.source_status_exit_code(result)))
     from sm120patch import environment
 
     probe = environment.start_probe(python)  # runs while the rest is imported

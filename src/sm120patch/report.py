@@ -287,6 +287,14 @@ def render_source_status(status) -> str:
     return "\n".join(lines)
 
 
+def source_status_exit_code(status) -> ExitCode:
+    """0 when HEAD has every required patch, like `status` for an installed environment."""
+    if status.patch_set is None:
+        return ExitCode.NOT_PATCHED
+    required = [p.id for p in status.patch_set.patches if p.required]
+    return ExitCode.OK if all(status.in_head[i] for i in required) else ExitCode.NOT_PATCHED
+
+
 def source_status_json(status) -> dict:
     return {
         "root": str(status.tree.root),
