@@ -198,17 +198,25 @@ def test_permission_denied_for_another_users_environment(tmp_path, flashinfer_wh
         env = ServingEnv(root, shared / "home")
         seed_jit_cache(env)
         before = snapshot(env)
-        import libcst
+        # nobody may not be able to read this checkout (a 0700 temporary clone): give it a
+        # world-readable copy of sm120patch, its data and the libraries it imports.
         import click
+        import libcst
+        import packaging
 
-        paths = os.pathsep.join([str(ROOT / "src"), *{str(Path(m.__file__).parents[1]) for m in (libcst, click)}])
+        shutil.copytree(ROOT / "src", shared / "src")
+        for data in ("patches", "vendor-manifests"):
+            shutil.copytree(ROOT / data, shared / data)
+        for module in (libcst, click, packaging):
+            shutil.copytree(Path(module.__file__).parent, shared / "deps" / module.__name__)
+        paths = os.pathsep.join([str(shared / "src"), str(shared / "deps")])
         proc = subprocess.run(
             ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
              *sm120patch_argv(env, "apply", python=system_python)],
             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=paths), cwd="/",
         )
         if "No module named" in proc.stderr or "Permission denied: '/" in proc.stderr and "sm120patch:" not in proc.stderr:
-            pytest.skip(f"nobody cannot run sm120patch from this checkout: {proc.stderr.strip()[-200:]}")
+            pytest.skip(f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
         assert proc.returncode == ExitCode.FAILED, proc.stderr
         one_clear_error(proc.stderr, "permission denied; nothing was changed")
         assert snapshot(env) == before
