@@ -9,6 +9,7 @@ import sys
 import click
 
 from sm120patch import __version__
+from sm120patch.bench import DEFAULT_HIDDEN as DEFAULT_BENCH_HIDDEN, DEFAULT_TOKENS as DEFAULT_BENCH_TOKENS
 from sm120patch.errors import ExitCode, Sm120PatchError
 
 EXIT_CODES = """\b
@@ -215,6 +216,86 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
         results += checks.build_check(env.executable, progress=progress)
     click.echo(json.dumps(report.verify_json(env, results), indent=2) if as_json else report.render_verify(env, results))
     sys.exit(int(report.verify_exit_code(results)))
+
+
+class _BenchProgress:
+    """bench's progress on a terminal: what is being loaded, then a bar over the shapes."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.done = 0
+
+    def __call__(self, event: dict) -> None:
+        if event.get("event") == "stage":
+            click.echo(f"sm120patch: {event['text']} ...", err=True)
+        elif event.get("event") == "cases":
+            self.bar = click.progressbar(length=event["total"], label="checking and timing", file=sys.stderr,
+                                         show_pos=True, item_show_func=lambda item: item)
+            self.bar.__enter__()
+        elif event.get("event") == "case" and self.bar is not None:
+            shape = f"tokens {event['tokens']}, hidden {event['hidden']}" if "tokens" in event else None
+            self.bar.update(event["index"] - self.done, current_item=shape)
+            self.done = event["index"]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+@cli.command(epilog="""\b
+Examples:
+  sm120patch bench --python ~/sglang-env/bin/python3
+  sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168
+
+\b
+Exit codes:
+  0  every shape matched the reference (and was timed)
+  1  a fused result differs from the reference, or the kernel crashed or hung
+  2  the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses
+  3  refused: FlashInfer is not patched for the SM120 GPUs in use (run `sm120patch apply`)
+  130 interrupted""")
+@python_option
+@click.option("--tp", type=int, default=None, metavar="N",
+              help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
+@click.option("--tokens", metavar="LIST", default=",".join(map(str, DEFAULT_BENCH_TOKENS)), show_default=True,
+              help="Token counts (batch sizes) to check and time.")
+@click.option("--hidden", metavar="LIST", default=",".join(map(str, DEFAULT_BENCH_HIDDEN)), show_default=True,
+              help="Hidden sizes: your model's (e.g. 4096 for Llama-3-8B, 7168 for DeepSeek-V3).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--strategy", type=click.Choice(["auto", "oneshot", "twoshot", "both"]), default="auto", show_default=True,
+              help="auto: FlashInfer's own choice, as SGLang runs it; both: one-shot and two-shot.")
+@click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
+@jit_option
+@json_option
+@handle_errors
+def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_base, as_json):
+    """Check FlashInfer's fused allreduce + residual + RMSNorm against NCCL + RMSNorm on this
+    machine's GPUs, then time fused against unfused and recommend a setting.
+
+    Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
+    builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""
+    from pathlib import Path
+
+    from sm120patch import bench as bench_mod
+
+    request = bench_mod.BenchRequest(
+        python=Path(python) if python else None, tp=tp,
+        tokens=bench_mod.parse_int_list(tokens, option="--tokens", minimum=1, maximum=16384),
+        hidden=bench_mod.parse_int_list(hidden, option="--hidden", minimum=128, maximum=16384, multiple_of=8),
+        dtype=dtype, strategy=strategy, check_only=check_only,
+        jit_base=Path(jit_cache_base).expanduser() if jit_cache_base else None,
+    )
+    progress = _BenchProgress() if sys.stderr.isatty() and not as_json else None
+    try:
+        result = bench_mod.bench(request, on_event=progress)
+    finally:
+        if progress:
+            progress.close()
+    click.echo(json.dumps(bench_mod.to_json(result), indent=2) if as_json else bench_mod.render(result))
+    failed = bench_mod.failure(result)
+    if failed:
+        raise failed
 
 
 @cli.command()

@@ -46,6 +46,12 @@ class RefusedError(Sm120PatchError):
     exit_code = ExitCode.REFUSED
 
 
+class CheckFailedError(Sm120PatchError):
+    """A check the user asked for ran and failed (bench: a fused result off the reference)."""
+
+    exit_code = ExitCode.NOT_PATCHED
+
+
 class TransactionError(Sm120PatchError):
     """A write failed; the transaction was rolled back."""
 

@@ -1,0 +1,297 @@
+# Runs inside the *target* interpreter, one process per GPU, for `sm120patch bench`: the
+# server's own torch and FlashInfer, nothing from sm120patch. For every shape it checks
+# FlashInfer's fused allreduce + residual add + RMSNorm (the call SGLang makes) against an
+# NCCL allreduce followed by a reference RMSNorm in float32, then times the fused call against
+# the unfused pair (NCCL allreduce + FlashInfer's fused_add_rmsnorm), in CUDA graphs where they
+# can be captured.
+#
+# Protocol with the parent (sm120patch.bench): the configuration arrives as JSON in
+# SM120PATCH_BENCH_CONFIG; rank 0 writes progress as JSON lines to the file descriptor in
+# SM120PATCH_BENCH_FD and the result document to <SM120PATCH_BENCH_DIR>/result.json; a rank
+# that fails writes <dir>/error-<rank>.json ({"phase", "message", "case"}) and exits 1.
+# torch.distributed is initialised from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (env://).
+# Python 3.8+, so no newer syntax.
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+_progress = None
+
+
+def emit(**event):
+    if _progress is not None:
+        _progress.write(json.dumps(event) + "\n")
+
+
+class Failure(Exception):
+    def __init__(self, phase, message, case=None):
+        Exception.__init__(self, message)
+        self.phase, self.message, self.case = phase, message, case
+
+
+def last_line(exc):
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "%s: %s" % (type(exc).__name__, lines[-1] if lines else "")
+
+
+def tolerance_ok(out, ref, atol, rtol):
+    """(max |out - ref|, worst ratio to the allowed error): the check passes when the ratio is
+    at most 1, i.e. |out - ref| <= atol + rtol * |ref| everywhere (torch.isclose's rule)."""
+    import torch
+
+    diff = (out.float() - ref).abs()
+    allowed = atol + rtol * ref.abs()
+    bad = ~torch.isfinite(out.float())
+    worst = float((diff / allowed).max()) if diff.numel() else 0.0
+    if bool(bad.any()):
+        worst = float("inf")
+    return float(diff.max()) if diff.numel() else 0.0, worst
+
+
+def reference(x, residual, gamma, eps, group):
+    """NCCL allreduce in the tensor's own dtype, then residual add and RMSNorm in float32."""
+    import torch
+    import torch.distributed as dist
+
+    summed = x.clone()
+    dist.all_reduce(summed, group=group)
+    residual_out = summed.float() + residual.float()
+    variance = residual_out.pow(2).mean(dim=-1, keepdim=True)
+    norm_out = residual_out * torch.rsqrt(variance + eps) * gamma.float()
+    return norm_out, residual_out
+
+
+def digest(tensor):
+    import numpy
+
+    import torch
+
+    data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(numpy.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def make_inputs(tokens, hidden, dtype, device, seed, rank):
+    """Deterministic inputs for one shape: the allreduce input differs per rank; the residual
+    and the RMSNorm weight are the same on every rank (they are replicated in a TP model)."""
+    import torch
+
+    def randn(shape, salt):
+        generator = torch.Generator().manual_seed(seed * 1000003 + salt)
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    base = tokens * 131 + hidden
+    x = randn((tokens, hidden), base * 17 + rank + 1)
+    residual = randn((tokens, hidden), base * 17)
+    gamma = randn((hidden,), hidden)
+    return x, residual, gamma
+
+
+def time_graph(body, reps, inner, warmup):
+    """Median microseconds per call of ``body``: captured ``inner`` times in one CUDA graph,
+    replayed ``warmup`` times, then ``reps`` timed replays. Falls back to eager launches when
+    the graph cannot be captured; returns (median_us, used_graph)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                body()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - not capturable here: time eager launches instead
+        graph = None
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(inner):
+                body()
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / inner)
+    samples.sort()
+    return samples[len(samples) // 2], graph is not None
+
+
+def main(config, rank, world, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group(backend="nccl")
+    group = dist.group.WORLD
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config["dtype"]]
+
+    # Build (or load from FlashInfer's JIT cache) the two modules; the ranks start on different
+    # ones so that a cold cache compiles both at once. FlashInfer's file locks do the rest.
+    emit(event="stage", text="loading FlashInfer's trtllm_comm and norm modules (a first build takes minutes)")
+    try:
+        import flashinfer.comm as comm
+        import flashinfer.comm.trtllm_ar as trtllm_ar
+        from flashinfer.norm import fused_add_rmsnorm
+    except Exception as exc:  # noqa: BLE001
+        raise Failure("import", last_line(exc))
+    try:
+        import flashinfer.norm as norm
+
+        builders = [trtllm_ar.get_trtllm_comm_module, getattr(norm, "get_norm_module", lambda: None)]
+        for build in builders[rank % 2:] + builders[:rank % 2]:
+            build()
+    except Exception as exc:  # noqa: BLE001
+        raise Failure("build", last_line(exc))
+    dist.barrier(group=group)
+
+    tokens_list, hidden_list = config["tokens"], config["hidden"]
+    max_tokens, max_hidden = max(tokens_list), max(hidden_list)
+    try:
+        workspace = trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+            rank, world, max_tokens, max_hidden, use_fp32_lamport=False, group=group)
+        ipc_handles, workspace_tensor = workspace[0], workspace[1]
+    except Exception as exc:  # noqa: BLE001
+        raise Failure("workspace", last_line(exc))
+    dist.barrier(group=group)
+
+    should_use_oneshot = getattr(trtllm_ar, "_should_use_oneshot", None)
+    cases = []
+    for hidden in hidden_list:
+        for tokens in tokens_list:
+            for strategy in config["strategies"]:
+                if strategy == "twoshot" and tokens <= world:
+                    continue  # FlashInfer: two-shot needs more tokens than ranks
+                cases.append((hidden, tokens, strategy))
+    emit(event="cases", total=len(cases))
+    eps, atol, rtol = config["eps"], config["atol"], config["rtol"]
+    results = []
+    for index, (hidden, tokens, strategy) in enumerate(cases):
+        case = {"tokens": tokens, "hidden": hidden, "strategy": strategy}
+        emit(event="case", index=index, **case)
+        use_oneshot = {"auto": None, "oneshot": True, "twoshot": False}[strategy]
+        effective = strategy
+        if strategy == "auto" and should_use_oneshot is not None:
+            effective = "oneshot" if should_use_oneshot(tokens, hidden, dtype, world) else "twoshot"
+        x, residual, gamma = make_inputs(tokens, hidden, dtype, device, config["seed"], rank)
+        norm_out = torch.empty_like(x)
+        residual_out = torch.empty_like(x)
+
+        def fused():
+            comm.trtllm_allreduce_fusion(
+                allreduce_in=x, world_size=world, world_rank=rank, token_num=tokens, hidden_dim=hidden,
+                workspace_ptrs=workspace_tensor, launch_with_pdl=True, use_oneshot=use_oneshot,
+                trigger_completion_at_end=False, fp32_acc=False,
+                pattern_code=comm.AllReduceFusionPattern.kARResidualRMSNorm,
+                allreduce_out=None, residual_in=residual, residual_out=residual_out, norm_out=norm_out,
+                quant_out=None, scale_out=None, rms_gamma=gamma, rms_eps=eps, scale_factor=None,
+                layout_code=None)
+
+        dist.barrier(group=group)
+        try:
+            fused()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            raise Failure("fused", last_line(exc), case)
+        ref_norm, ref_residual = reference(x, residual, gamma, eps, group)
+        norm_err, norm_ratio = tolerance_ok(norm_out, ref_norm, atol, rtol)
+        res_err, res_ratio = tolerance_ok(residual_out, ref_residual, atol, rtol)
+        mine = {"norm": digest(norm_out), "residual": digest(residual_out)}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, [mine, max(norm_ratio, res_ratio), norm_err, res_err], group=group)
+        row = dict(case)
+        row.update(
+            effective_strategy=effective,
+            bytes=tokens * hidden * x.element_size(),
+            max_err_norm=max(e[2] for e in everyone),
+            max_err_residual=max(e[3] for e in everyone),
+            worst_ratio=max(e[1] for e in everyone),
+            digests=everyone[0][0],
+            ranks_agree=all(e[0] == everyone[0][0] for e in everyone),
+        )
+        row["ok"] = row["worst_ratio"] <= 1.0 and row["ranks_agree"]
+        if not config["check_only"]:
+            dist.barrier(group=group)
+            fused_us, fused_graph = time_graph(fused, config["reps"], config["inner"], config["warmup"])
+            a, r = x.clone(), residual.clone()
+
+            def unfused():
+                dist.all_reduce(a, group=group)
+                fused_add_rmsnorm(a, r, gamma, eps)
+
+            dist.barrier(group=group)
+            unfused_us, unfused_graph = time_graph(unfused, config["reps"], config["inner"], config["warmup"])
+            timings = [None] * world
+            dist.all_gather_object(timings, [fused_us, unfused_us, fused_graph and unfused_graph], group=group)
+            # The slowest rank sets the pace of a TP step.
+            row.update(fused_us=max(t[0] for t in timings), unfused_us=max(t[1] for t in timings),
+                       graphs=all(t[2] for t in timings))
+        results.append(row)
+    emit(event="case", index=len(cases))
+    dist.barrier(group=group)
+    try:
+        trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(ipc_handles, group=group)
+    except Exception:  # noqa: BLE001 - the results stand; the process exits next
+        pass
+    if rank == 0:
+        props = torch.cuda.get_device_properties(device)
+        document = {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": nccl_version(),
+            "flashinfer": getattr(__import__("flashinfer"), "__version__", None),
+            "device": props.name,
+            "capability": "%d.%d" % (props.major, props.minor),
+            "world_size": world,
+            "dtype": config["dtype"],
+            "cases": results,
+        }
+        path = os.path.join(out_dir, "result.json")
+        with open(path + ".tmp", "w") as handle:
+            json.dump(document, handle)
+        os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+def nccl_version():
+    try:
+        version = __import__("torch").cuda.nccl.version()
+    except Exception:  # noqa: BLE001
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def report_failure(out_dir, rank, phase, message, case=None):
+    with open(os.path.join(out_dir, "error-%d.json" % rank), "w") as handle:
+        json.dump({"phase": phase, "message": message, "case": case}, handle)
+
+
+if __name__ == "__main__":
+    rank, out_dir = int(os.environ["RANK"]), os.environ["SM120PATCH_BENCH_DIR"]
+    if rank == 0 and os.environ.get("SM120PATCH_BENCH_FD"):
+        _progress = os.fdopen(int(os.environ["SM120PATCH_BENCH_FD"]), "w", buffering=1)
+    try:
+        main(json.loads(os.environ["SM120PATCH_BENCH_CONFIG"]), rank, int(os.environ["WORLD_SIZE"]), out_dir)
+    except Failure as failure:
+        report_failure(out_dir, rank, failure.phase, failure.message, failure.case)
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - anything else: the parent shows one line
+        traceback.print_exc()
+        report_failure(out_dir, rank, "worker", last_line(exc))
+        sys.exit(1)

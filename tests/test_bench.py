@@ -1,0 +1,250 @@
+"""`sm120patch bench` without GPUs: argument handling, every refusal (one line, its exit code),
+the hang watchdog on real processes, the recommendation rules, and the worker's own arithmetic
+in a real torch (CPU) environment. The GPU run itself is recorded in docs/two-gpu.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import Session
+from sm120patch import bench
+from sm120patch.cli import cli
+from sm120patch.errors import CheckFailedError, ExitCode, RefusedError, TargetError, UsageError
+
+H200 = ("NVIDIA H200", 9, 0)
+RTX_PRO_6000 = ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 12, 0)
+
+
+def target(devices=(H200, H200), **overrides) -> bench.TargetInfo:
+    fields = dict(torch="2.11.0+cu130", flashinfer="0.6.4", cuda=True, nccl=True, devices=tuple(devices))
+    fields.update(overrides)
+    return bench.TargetInfo(**fields)
+
+
+def request(**overrides) -> bench.BenchRequest:
+    return bench.BenchRequest(python=Path("/srv/env/bin/python"), **overrides)
+
+
+def one_line(result, text: str) -> None:
+    errors = [line for line in result.output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(errors) == 1 and text in errors[0], result.output
+    assert "Traceback" not in result.output
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+def test_lists_parse_sorted_and_deduplicated():
+    assert bench.parse_int_list("64, 1,16,1", option="--tokens", minimum=1, maximum=16384) == (1, 16, 64)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,x", "'x' is not a whole number"),
+    ("0", "0 must be between 1 and 16384"),
+    (",", "give at least one value"),
+])
+def test_bad_token_lists_are_one_line(text, message):
+    result = CliRunner().invoke(cli, ["bench", "--tokens", text])
+    assert result.exit_code == ExitCode.USAGE
+    one_line(result, message)
+
+
+def test_hidden_sizes_must_suit_the_kernel():
+    result = CliRunner().invoke(cli, ["bench", "--hidden", "4100"])
+    assert result.exit_code == ExitCode.USAGE
+    one_line(result, "4100 must be between 128 and 16384 and a multiple of 8")
+
+
+def test_help_has_examples_and_exit_codes():
+    result = CliRunner().invoke(cli, ["bench", "--help"])
+    assert result.exit_code == 0
+    for text in ("Examples:", "sm120patch bench --python", "Exit codes:", "3  refused", "--strategy"):
+        assert text in result.output
+
+
+# -- refusals, decided from what the target reports -----------------------------------------
+
+@pytest.mark.parametrize("info, error, message", [
+    (target(torch=None, torch_error="ModuleNotFoundError: No module named 'torch'"), TargetError, "torch is not importable"),
+    (target(flashinfer=None), TargetError, "flashinfer-python is not installed"),
+    (target(cuda=False, devices=()), TargetError, "no CUDA device is visible to torch"),
+    (target(nccl=False), TargetError, "has no NCCL backend"),
+    (target(devices=()), UsageError, "bench needs at least 2 GPUs; /srv/env/bin/python sees none"),
+    (target(devices=(H200,)), UsageError, "sees 1 (NVIDIA H200)"),
+])
+def test_what_the_target_lacks(info, error, message):
+    with pytest.raises(error) as raised:
+        bench.preflight(request(), info, flashinfer_verdict="patched")
+    assert message in raised.value.message
+
+
+def test_a_world_size_the_kernel_refuses_names_the_sizes_and_a_working_one():
+    with pytest.raises(UsageError) as raised:
+        bench.preflight(request(), target(devices=(H200,) * 3), flashinfer_verdict="patched")
+    assert raised.value.message == "--tp 3: FlashInfer's fused allreduce runs at 2, 4, 8 or 16 ranks (3 GPUs are visible)"
+    assert raised.value.hint == "pass --tp 2"
+    with pytest.raises(UsageError, match="sees only 2 GPUs"):
+        bench.preflight(request(tp=4), target(), flashinfer_verdict="patched")
+    assert bench.preflight(request(tp=2), target(devices=(H200,) * 3), flashinfer_verdict="patched") == 2
+
+
+def test_unpatched_flashinfer_on_sm120_is_refused_with_the_apply_command():
+    with pytest.raises(RefusedError) as raised:
+        bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="not patched")
+    assert "flashinfer-python 0.6.4 is not patched" in raised.value.message
+    assert raised.value.hint == "run `sm120patch apply --python /srv/env/bin/python` first"
+    assert raised.value.exit_code == ExitCode.REFUSED
+    with pytest.raises(RefusedError, match="shadows the patched sources"):
+        bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
+                        aot_shadows=["/srv/env/flashinfer_jit_cache/jit_cache/trtllm_comm/trtllm_comm.so"])
+    # Patched, or SM90 (upstream supports it as released): it runs.
+    assert bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched") == 2
+    assert bench.preflight(request(), target(), flashinfer_verdict="not patched") == 2
+
+
+def test_a_target_without_torch(sm120patch):
+    result = sm120patch("bench")
+    assert result.exit_code == ExitCode.USAGE
+    one_line(result, "torch is not importable in")
+
+
+def test_a_cpu_only_torch(runtime_env):
+    result = Session(runtime_env)("bench", "--tp", "2")
+    assert result.exit_code == ExitCode.USAGE
+    one_line(result, "no CUDA device is visible to torch 2.13.0+cpu")
+    assert "(a CPU-only build)" in result.output
+
+
+# -- the worker's failures and hangs --------------------------------------------------------
+
+@pytest.mark.parametrize("error, kind, exit_code", [
+    ({"phase": "build", "message": "RuntimeError: No supported CUDA architectures found for major versions [9, 10]."},
+     RefusedError, ExitCode.REFUSED),
+    ({"phase": "fused", "message": "RuntimeError: unsupported ranks number! Supported ranks: 2, 4, 8, 16",
+      "case": {"tokens": 1, "hidden": 4096, "strategy": "auto"}}, UsageError, ExitCode.USAGE),
+    ({"phase": "fused", "message": "AcceleratorError: CUDA error: an illegal memory access was encountered",
+      "case": {"tokens": 8, "hidden": 4096, "strategy": "oneshot"}}, CheckFailedError, 1),
+])
+def test_worker_errors_become_one_documented_error(error, kind, exit_code):
+    raised = bench._classify(error, Path("/srv/env/bin/python"), 2)
+    assert isinstance(raised, kind) and raised.exit_code == exit_code
+    if "case" in error:
+        assert "(tokens" in raised.message or "world size 2" in raised.message
+
+
+def _emitter(script: str):
+    """A real process writing progress events to a pipe the way rank 0 does."""
+    import os
+
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(write_fd)], pass_fds=(write_fd,))
+    os.close(write_fd)
+    return proc, read_fd
+
+
+def test_a_shape_that_makes_no_progress_is_a_hang_and_every_worker_is_killed():
+    proc, read_fd = _emitter("""
+        import json, os, sys, time
+        out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+        out.write(json.dumps({"event": "case", "index": 0, "tokens": 8, "hidden": 4096, "strategy": "oneshot"}) + "\\n")
+        time.sleep(60)
+    """)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen = []
+    with pytest.raises(CheckFailedError) as raised:
+        bench.follow([proc, peer], read_fd, seen.append, build_timeout=30, case_timeout=1)
+    assert "no progress for 1 s at tokens 8, hidden 4096, oneshot" in raised.value.message
+    assert proc.wait(timeout=5) is not None and peer.wait(timeout=5) is not None
+    assert seen and seen[0]["tokens"] == 8
+
+
+def test_progress_is_relayed_until_the_workers_exit():
+    proc, read_fd = _emitter("""
+        import json, os, sys
+        out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+        for event in ({"event": "cases", "total": 2}, {"event": "case", "index": 0, "tokens": 1, "hidden": 128,
+                      "strategy": "auto"}, {"event": "case", "index": 2}):
+            out.write(json.dumps(event) + "\\n")
+    """)
+    seen = []
+    bench.follow([proc], read_fd, seen.append, build_timeout=30, case_timeout=30)
+    assert [e["event"] for e in seen] == ["cases", "case", "case"] and proc.returncode == 0
+
+
+# -- recommendation rules ------------------------------------------------------------------
+
+def _report(timings: dict[int, tuple[float, float]], hidden: int = 4096) -> bench.BenchReport:
+    cases = [bench.Case(tokens=t, hidden=hidden, strategy="auto", effective_strategy="oneshot", bytes=t * hidden * 2,
+                        ok=True, max_err_norm=0.01, max_err_residual=0.01, worst_ratio=0.2, ranks_agree=True,
+                        digests={}, fused_us=f, unfused_us=u, graphs=True) for t, (f, u) in timings.items()]
+    return bench.BenchReport(request(tokens=tuple(timings)), 2, {}, cases, 2 ** -5, 2 ** -5)
+
+
+def test_fused_faster_everywhere_turns_it_on_with_the_largest_size_for_vllm():
+    rec = _report({1: (5, 10), 512: (20, 40), 2048: (90, 92)}).recommendation()
+    assert rec.sglang is True
+    assert rec.vllm_max_size_mb == 16  # 2048 tokens x 4096 x 2 bytes
+    assert "fi_allreduce_fusion_max_size_mb=16" in rec.vllm_text
+
+
+def test_a_crossover_limits_both_recommendations():
+    report = _report({1: (5, 10), 64: (8, 12), 512: (50, 40), 2048: (200, 100)})
+    rec = report.recommendation()
+    assert rec.sglang is None and "at or below 64 tokens" in rec.sglang_text
+    assert rec.vllm_max_size_mb == 0.5
+    assert "slower from 512 tokens (4 MiB)" in bench.render(report)
+
+
+def test_slower_from_the_start_says_leave_it_off():
+    rec = _report({1: (12, 10), 64: (8, 12)}).recommendation()
+    assert rec.sglang is False and rec.vllm_max_size_mb is None
+    assert "leave --enable-flashinfer-allreduce-fusion off" in rec.sglang_text
+
+
+def test_a_failed_check_gives_no_recommendation_and_exit_1():
+    report = _report({1: (5, 10)})
+    report.cases[0].ok, report.cases[0].worst_ratio = False, 3.5
+    assert report.recommendation() is None
+    error = bench.failure(report)
+    assert error.exit_code == 1 and "tokens 1, hidden 4096" in error.message and "3.5×" in error.message
+    assert "FAIL" in bench.render(report)
+
+
+# -- the worker's arithmetic, in a real torch -----------------------------------------------
+
+def test_worker_reference_tolerance_and_inputs_on_cpu_torch(runtime_env):
+    worker = Path(bench.__file__).with_name("_bench_worker.py")
+    script = f"""
+        import importlib.util, json, torch
+        spec = importlib.util.spec_from_file_location("worker", {str(worker)!r})
+        w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+        cpu = torch.device("cpu")
+        a = w.make_inputs(7, 256, torch.bfloat16, cpu, 0, 0)
+        b = w.make_inputs(7, 256, torch.bfloat16, cpu, 0, 0)
+        other_rank = w.make_inputs(7, 256, torch.bfloat16, cpu, 0, 1)
+        ref = torch.linspace(-4, 4, 64)
+        exact = w.tolerance_ok(ref.to(torch.bfloat16), ref, 2 ** -5, 2 ** -5)
+        off = w.tolerance_ok((ref + 0.5).to(torch.bfloat16), ref, 2 ** -5, 2 ** -5)
+        nan = w.tolerance_ok(torch.full((4,), float("nan")), torch.zeros(4), 2 ** -5, 2 ** -5)
+        print(json.dumps({{
+            "deterministic": all(torch.equal(x, y) for x, y in zip(a, b)),
+            "x_differs_per_rank": not torch.equal(a[0], other_rank[0]),
+            "residual_and_gamma_shared": torch.equal(a[1], other_rank[1]) and torch.equal(a[2], other_rank[2]),
+            "exact": exact, "off": off, "nan": nan[1],
+            "digest_same": w.digest(a[0]) == w.digest(b[0]), "digest_differs": w.digest(a[0]) != w.digest(other_rank[0]),
+        }}))
+    """
+    proc = subprocess.run([str(runtime_env.python), "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["deterministic"] and out["x_differs_per_rank"] and out["residual_and_gamma_shared"]
+    assert out["exact"][1] <= 1.0  # rounding a float32 value to bf16 is within the tolerance
+    assert out["off"][1] > 1.0 and out["off"][0] == pytest.approx(0.5, abs=0.02)
+    assert out["nan"] == float("inf")
+    assert out["digest_same"] and out["digest_differs"]
