@@ -1,33 +1,52 @@
-# Runs inside the target interpreter for `sm120patch verify --runtime`: asks FlashInfer's own
-# JIT for the trtllm_comm spec with FLASHINFER_CUDA_ARCH_LIST set by the caller, and tries to
-# import SGLang's patched module. Prints one JSON document.
+# Runs inside the target interpreter for `sm120patch verify --runtime` (with a temporary
+# FLASHINFER_WORKSPACE_BASE and the arch list set by the caller). argv[1]: JSON
+# {"jit_spec": "module:function" or null, "modules": [dotted names of patched Python modules]}.
+# Asks the distribution's own JIT for its spec, and imports every patched module (a missing
+# import in a patch is a NameError no hash can show). Prints one JSON document.
+import importlib
 import json
 import sys
 
-out = {"flashinfer": None, "sglang": None}
+request = json.loads(sys.argv[1])
+out = {"jit_spec": None, "modules": {}}
 
 try:
-    import torch  # noqa: F401  (flashinfer needs it; say so plainly when it is missing)
+    import torch  # noqa: F401  (FlashInfer and SGLang need it; say so plainly when it is missing)
+    torch_error = None
 except Exception as exc:  # noqa: BLE001
-    out["flashinfer"] = {"skipped": "torch is not importable here (%s: %s)" % (type(exc).__name__, exc)}
-else:
-    try:
-        import flashinfer.jit.comm as comm
-    except Exception as exc:  # noqa: BLE001
-        out["flashinfer"] = {"skipped": "flashinfer.jit.comm does not import (%s: %s)" % (type(exc).__name__, exc)}
+    torch_error = "torch is not importable here (%s: %s)" % (type(exc).__name__, exc)
+
+if request.get("jit_spec"):
+    if torch_error:
+        out["jit_spec"] = {"skipped": torch_error}
     else:
+        module_name, _, function = request["jit_spec"].partition(":")
         try:
-            spec = comm.gen_trtllm_comm_module()
-            out["flashinfer"] = {"flags": list(spec.extra_cuda_cflags or [])}
+            module = importlib.import_module(module_name)
         except Exception as exc:  # noqa: BLE001
-            out["flashinfer"] = {"error": "%s: %s" % (type(exc).__name__, exc)}
+            out["jit_spec"] = {"skipped": "%s does not import (%s: %s)" % (module_name, type(exc).__name__, exc)}
+        else:
+            try:
+                spec = getattr(module, function)()
+                out["jit_spec"] = {"flags": list(spec.extra_cuda_cflags or [])}
+            except Exception as exc:  # noqa: BLE001
+                out["jit_spec"] = {"error": "%s: %s" % (type(exc).__name__, exc)}
 
-if "sglang" in sys.argv[1:]:
+for name in request.get("modules", []):
+    if torch_error:
+        out["modules"][name] = {"skipped": torch_error}
+        continue
     try:
-        import sglang.srt.layers.communicator as communicator
-
-        out["sglang"] = {"has_sm120_flag": hasattr(communicator, "_is_sm120_supported")}
+        importlib.import_module(name)
+        out["modules"][name] = {"ok": True}
+    except ModuleNotFoundError as exc:
+        # A dependency that is not installed here: the check cannot run, which says nothing
+        # about the patch. A patched module's own missing name is a NameError/ImportError.
+        if exc.name and not name.startswith(exc.name):
+            out["modules"][name] = {"skipped": "its dependency %s is not installed here" % exc.name}
+        else:
+            out["modules"][name] = {"error": "ModuleNotFoundError: %s" % exc}
     except Exception as exc:  # noqa: BLE001
-        out["sglang"] = {"skipped": "sglang's dependencies are not installed here (%s: %s)" % (type(exc).__name__, exc)}
+        out["modules"][name] = {"error": "%s: %s" % (type(exc).__name__, exc)}
 
 print(json.dumps(out))

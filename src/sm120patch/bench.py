@@ -16,10 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import select
-import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,21 +299,21 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     """The whole command: ask the target what it has, refuse what cannot run, run the workers."""
     from dataclasses import replace
 
-    from sm120patch import actions, environment, jitcache, patchsets
-    from sm120patch.report import overall
+    from sm120patch import pipeline
 
-    env = environment.locate(request.python)
-    target = probe_target(env.executable)
-    status = actions.collect_status(env, patchsets.load_catalog(check_rewriters=False),
-                                    jit_base=jitcache.cache_base(request.jit_base))
-    verdict = next((overall(s.assessment) for s in status.distributions
-                    if s.assessment.dist.name == environment.FLASHINFER), None)
-    request = replace(request, python=env.executable)
+    status = pipeline.status(pipeline.Request(python=str(request.python) if request.python else None,
+                                              selectors={"flashinfer-python": pipeline.ANY},
+                                              jit_base=str(request.jit_base) if request.jit_base else None))
+    target = probe_target(Path(status.target))
+    verdict = next((t.assessment.verdict.value for t in status.trees), None)
+    request = replace(request, python=Path(status.target))
     world_size = preflight(request, target, flashinfer_verdict=verdict, aot_shadows=[s.path for s in status.aot])
     return run(request, world_size=world_size, on_event=on_event)
 
 
 def _free_port() -> int:
+    import socket  # bench's own needs, imported when it runs: the CLI imports this module for its defaults
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -359,6 +356,8 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
         "reps": request.reps, "inner": request.inner, "warmup": request.warmup,
     }
     source = WORKER.read_text(encoding="utf-8")
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="sm120patch-bench-") as tmp:
         workdir = Path(tmp)
         read_fd, write_fd = os.pipe()
@@ -405,6 +404,12 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     return BenchReport(request, world_size, document, cases, atol, rtol)
 
 
+def _select(*args):
+    import select
+
+    return select.select(*args)
+
+
 def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[dict], None] | None, *,
            build_timeout: float = BUILD_TIMEOUT_S, case_timeout: float = CASE_TIMEOUT_S) -> None:
     """Relay rank 0's progress and enforce the time limits: a stage (build, one shape) that
@@ -432,7 +437,7 @@ def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[
                 f"no progress for {limit:.0f} s at {what}: the fused kernel hangs (every worker was stopped)",
                 hint="a lamport one-shot kernel that never sees its peers' data spins forever; "
                      "`sm120patch verify` shows whether every patch is in place")
-        ready, _, _ = select.select([read_fd], [], [], 0.2)
+        ready, _, _ = _select([read_fd], [], [], 0.2)
         if not ready:
             continue
         chunk = os.read(read_fd, 65536)

@@ -1,221 +1,442 @@
-"""Command line: parse, call one function from actions/manifests, render. Nothing else."""
+"""Command line: parse, call one function, render. Nothing else.
+
+Every expected failure is one line (``sm120patch: error: ...``), sometimes a ``hint:`` line
+that works when copied as printed, and the exit code each command's help lists."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from sm120patch import __version__
-from sm120patch.bench import DEFAULT_HIDDEN as DEFAULT_BENCH_HIDDEN, DEFAULT_TOKENS as DEFAULT_BENCH_TOKENS
+from sm120patch.bench import DEFAULT_HIDDEN, DEFAULT_TOKENS
 from sm120patch.errors import ExitCode, Sm120PatchError
 
-EXIT_CODES = """\b
-Exit codes:
-  0  success (status: everything installed is patched or fixed upstream)
-  1  status: something is not (fully) patched
-  2  bad input (options, --python, version selector, patch data)
-  3  refused: a file is not the release's bytes, or no pinned patch set
-  4  failed (I/O error, read-only, permission, lock held); rolled back"""
-
-python_option = click.option(
-    "--python", "python", metavar="PATH", default=None,
-    help="Interpreter of the environment to act on (e.g. ~/ml-env/bin/python3). Default: this one.",
-)
-jit_option = click.option(
-    "--jit-cache-base", metavar="DIR", default=None,
-    help="Base of FlashInfer's JIT cache (the server user's $FLASHINFER_WORKSPACE_BASE or $HOME). "
-    "Default: $FLASHINFER_WORKSPACE_BASE, else $HOME.",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of text.")
-source_option = click.option(
-    "--source", metavar="PATH", default=None,
-    help="A git checkout of FlashInfer or SGLang to act on instead of an installed environment.",
-)
 
 
-def _apply_source(path, catalog, ids, force):
-    from sm120patch import source as source_tree
+def _selectors() -> list[tuple[str, str]]:
+    from sm120patch.distributions import selectors
 
-    result = source_tree.apply_source(source_tree.open_tree(path), catalog, with_ids=ids, force=force)
-    click.echo(result.message)
+    try:
+        return selectors()
+    except Sm120PatchError:  # malformed data: the command that loads it says so in one line
+        return []
 
 
-def handle_errors(command):
-    """Turn expected failures into one clear message and the documented exit code."""
+SELECTORS = _selectors()  # (option, distribution) from patches/*/distribution.toml
 
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+
+def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
+    """A command's examples and its own exit codes, in the layout `--help` keeps (\\b)."""
+    lines = ["\b", "Examples:"] + [f"  {e}" for e in examples] + ["", "\b", "Exit codes:"]
+    lines += [f"  {code:<3} {text}" for code, text in codes]
+    return "\n".join(lines)
+
+
+USAGE = (2, "bad input: an option, --python, a version selector, patch data")
+INTERRUPTED = (130, "interrupted (Ctrl-C); the change in progress was rolled back")
+
+
+def handle(exc: BaseException) -> int:
+    """The one place an exception becomes a message and an exit code."""
+    if isinstance(exc, Sm120PatchError):
+        click.echo(f"sm120patch: error: {exc.message}", err=True)
+        if exc.hint:
+            click.echo(f"hint: {exc.hint}", err=True)
+        return int(exc.exit_code)
+    if isinstance(exc, click.UsageError):
+        message = exc.format_message()
+        click.echo(f"sm120patch: error: {message}", err=True)
+        command = exc.ctx.command_path if exc.ctx else "sm120patch"
+        click.echo(f"hint: `{command} --help` lists the options, with examples", err=True)
+        return int(ExitCode.USAGE)
+    if isinstance(exc, BrokenPipeError):  # `sm120patch diff | head`: a closed pipe is not an error
         try:
-            return command(*args, **kwargs)
-        except Sm120PatchError as exc:
-            click.echo(f"sm120patch: error: {exc.message}", err=True)
-            if exc.hint:
-                click.echo(f"hint: {exc.hint}", err=True)
-            sys.exit(int(exc.exit_code))
-        except OSError as exc:  # outside a transaction (lock, state directory, JIT cache)
-            where = f" ({exc.filename})" if exc.filename else ""
-            click.echo(f"sm120patch: error: {exc.strerror or exc}{where}", err=True)
-            sys.exit(int(ExitCode.FAILED))
-        except KeyboardInterrupt:
-            click.echo("sm120patch: interrupted; any change in progress was rolled back", err=True)
-            sys.exit(130)
-
-    return wrapper
+            sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - nothing more may reach the closed pipe
+        except OSError:
+            pass
+        return 0
+    if isinstance(exc, (KeyboardInterrupt, click.Abort)):
+        click.echo("sm120patch: interrupted; any change in progress was rolled back", err=True)
+        return int(ExitCode.INTERRUPTED)
+    if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
+        where = f" ({exc.filename})" if exc.filename else ""
+        click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
+        return int(ExitCode.FAILED)
+    raise exc
 
 
-def _wait_message(text: str) -> None:
-    click.echo(f"sm120patch: {text}", err=True)
+class Group(click.Group):
+    def main(self, args=None, prog_name=None, **extra):  # noqa: D102 - click's entry point, one-line errors
+        try:
+            code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except BaseException as exc:  # noqa: BLE001 - handle() re-raises what it does not know
+            if isinstance(exc, SystemExit):
+                raise
+            code = handle(exc)
+        sys.exit(code or 0)
 
 
-@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
+def emit(text: str) -> None:
+    if text:
+        click.echo(text)
+
+
+def python_option(function):
+    return click.option("--python", "python", metavar="PATH", default=None,
+                        help="The interpreter your server runs (a path, or a name on PATH). Default: this one.")(function)
+
+
+def source_option(function):
+    return click.option("--source", metavar="DIR", default=None,
+                        help="A git checkout of FlashInfer or SGLang to act on instead of an installed environment.")(function)
+
+
+def jit_option(function):
+    return click.option("--jit-cache-base", metavar="DIR", default=None,
+                        help="Base of FlashInfer's JIT cache: the server user's $FLASHINFER_WORKSPACE_BASE or $HOME. "
+                        "Default: $FLASHINFER_WORKSPACE_BASE, else $HOME (as root on another user's environment: "
+                        "that user's home).")(function)
+
+
+def json_option(function):
+    return click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of text.")(function)
+
+
+def arch_option(function):
+    def normalize(ctx, param, value):
+        if value is None:
+            return None
+        from sm120patch.jitbuild import parse_arch
+
+        return parse_arch(value)
+
+    return click.option("--arch", metavar="LIST", default=None, callback=normalize,
+                        help="Compute capabilities to build for (FLASHINFER_CUDA_ARCH_LIST), e.g. 12.0a; needed "
+                        "where no GPU is visible (an image build). Default: the GPUs FlashInfer sees.")(function)
+
+
+def wheel_dir_option(function):
+    return click.option("--wheel-dir", metavar="DIR", default=None, type=click.Path(file_okay=False, path_type=Path),
+                        help="Where the release's wheels are, for an offline server (else sm120patch's wheel cache, "
+                        "downloading what is missing).")(function)
+
+
+def selector_options(function):
+    """--flashinfer [VER] and --sglang [VER]: the same grammar on every command. Alone, the
+    option selects that distribution; with a version, it also asserts the installed one."""
+    from sm120patch.distributions import ANY
+
+    for option, name in reversed(SELECTORS):
+        function = click.option(f"--{option}", option, metavar="[VER]", default=None, is_flag=False, flag_value=ANY,
+                                help=f"Only {name}; with VER, it must be installed at that release.")(function)
+    return function
+
+
+def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=None, with_ids="", force=False,
+                 dry_run=False, build=False, arch=None, on_build_step=None, **selectors):
+    from sm120patch import pipeline
+
+    if python and source:
+        raise click.UsageError("--python and --source name two different targets; give one")
+    names = dict(SELECTORS)
+    chosen = {names[option]: pipeline.normalize_selector(option, value)
+              for option, value in selectors.items() if option in names and value is not None}
+    ids = tuple(i.strip() for i in (with_ids or "").split(",") if i.strip())
+    return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
+                            dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
+                            on_build_step=on_build_step,
+                            on_wait=lambda text: click.echo(f"sm120patch: {text}", err=True))
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
+                            "sm120patch apply --python ~/ml-env/bin/python3",
+                            "sm120patch bench --python ~/ml-env/bin/python3"],
+                           [(0, "success"), (1, "status/verify/bench: not patched, or a check failed"), USAGE,
+                            (3, "refused: a file is not the release's bytes, no pinned patch set"),
+                            (4, "failed (I/O, permissions, a lock held); everything was rolled back"), INTERRUPTED]))
 @click.version_option(__version__, prog_name="sm120patch")
 def cli() -> None:
-    """Enable FlashInfer/SGLang TRT-LLM allreduce fusion on SM120 GPUs (RTX PRO 6000
-    Blackwell, RTX 5090) with exact, version-pinned, reversible patches."""
+    """Enable FlashInfer/SGLang TRT-LLM allreduce fusion on SM120 GPUs (RTX PRO 6000 Blackwell,
+    RTX 5090) with exact, version-pinned, reversible patches. Each command's --help has examples."""
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(short_help="Show what is installed and patched, stale JIT entries, AOT shadowing.",
+             epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
+                            "sm120patch status --python ~/ml-env/bin/python3 --json | jq .exit_code",
+                            "sm120patch status --source ~/src/flashinfer"],
+                           [(0, "everything installed is patched (or fixed upstream)"),
+                            (1, "something is not patched, partly patched, or has no patch set"), USAGE,
+                            (3, "a file is not the release's bytes (drift), or an interrupted run"),
+                            (4, "failed to read the environment's state"), INTERRUPTED]))
 @python_option
-@jit_option
 @source_option
-@json_option
-@handle_errors
-def status(python, jit_cache_base, source, as_json):
-    """Show what is installed, which patches are applied, stale JIT entries and AOT shadowing.
-    With --source: which patches a git checkout's HEAD has already."""
-    if source:
-        from sm120patch import patchsets, report, source as source_tree
-
-        result = source_tree.source_status(source_tree.open_tree(source), patchsets.load_catalog(check_rewriters=False))
-        click.echo(json.dumps(report.source_status_json(result), indent=2) if as_json else report.render_source_status(result))
-        sys.exit(int(report.source_status_exit_code(result)))
-    from sm120patch import environment
-
-    probe = environment.start_probe(python)  # runs while the rest is imported
-    from sm120patch import actions, jitcache, patchsets, report
-
-    env = probe.result()
-    catalog = patchsets.load_catalog(check_rewriters=False)
-    result = actions.collect_status(env, catalog, jit_base=jitcache.cache_base(jit_cache_base))
-    click.echo(json.dumps(report.status_json(result), indent=2) if as_json else report.render_status(result))
-    sys.exit(int(report.status_exit_code(result)))
-
-
-@cli.command(epilog=EXIT_CODES)
-@click.option("--flashinfer", metavar="VER", default=None,
-              help="Patch flashinfer-python, which must be installed at version VER.")
-@click.option("--sglang", metavar="VER", default=None,
-              help="Patch sglang, which must be installed at version VER.")
-@click.option("--with", "with_ids", metavar="ID,...", default="",
-              help="Also apply these opt-in patches (see `sm120patch status`).")
-@python_option
-@click.option("--dry-run", is_flag=True, help="Print the unified diff; change nothing.")
-@click.option("--force", is_flag=True,
-              help="Patch files that are not the release's bytes (drift), by meaning rather than by hash.")
+@selector_options
 @jit_option
+@json_option
+def status(python, source, jit_cache_base, as_json, **selectors):
+    """Show each distribution's version, pinned patch set and the state of every patch (who made
+    it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
+    and an interrupted run. With --source: which patches a git checkout's HEAD has."""
+    from sm120patch import distributions, environment
+
+    # The probe runs in the target interpreter while the rest of sm120patch is imported.
+    registry = distributions.load_registry(check_rewriters=False)
+    probe = None if source else environment.start_probe(python, registry.wanted_rows())
+    from sm120patch import pipeline, render
+
+    report = pipeline.status(request_from(python=python, source=source, jit_cache_base=jit_cache_base, **selectors),
+                             registry, probe=probe)
+    emit(json.dumps(render.status_json(report), indent=2) if as_json else render.render_status(report))
+    sys.exit(int(report.exit_code))
+
+
+@cli.command(short_help="Apply the patch set pinned to each installed release.",
+             epilog=epilog(["sm120patch apply --python ~/ml-env/bin/python3",
+                            "sm120patch apply --python ~/ml-env/bin/python3 --flashinfer 0.6.4 --sglang 0.5.9",
+                            "sm120patch apply --python ~/ml-env/bin/python3 --sglang --with symm-mem --dry-run",
+                            "sm120patch apply --source ~/src/sglang"],
+                           [(0, "patched, or nothing to change"), USAGE,
+                            (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
+                                "nothing was changed"),
+                            (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
+                            INTERRUPTED]))
+@selector_options
+@click.option("--with", "with_ids", metavar="ID,...", default="", help="Also apply these opt-in patches (see `list`).")
+@python_option
 @source_option
-@json_option
-@handle_errors
-def apply(flashinfer, sglang, with_ids, python, dry_run, force, jit_cache_base, source, as_json):
-    """Apply the patch set pinned to each installed release.
-
-    With no --flashinfer/--sglang, every installed distribution that has a patch set is patched.
-    Required patches always; opt-in ones only with --with. Re-applying changes nothing.
-    With --source, or for an editable install, the patch becomes a commit on the branch
-    sm120patch/<dist>-<version> of that git checkout instead."""
-    from sm120patch import actions, environment, jitcache, patchsets, report
-
-    catalog = patchsets.load_catalog()
-    ids = [i.strip() for i in with_ids.split(",") if i.strip()]
-    if source:
-        return _apply_source(source, catalog, ids, force)
-    env = environment.locate(python)
-    selectors = {"flashinfer-python": flashinfer, "sglang": sglang}
-    routed = actions.editable_sources(env, selectors)
-    for name, path in routed:
-        click.echo(f"{name} is an editable install of {path}: patching that source tree as a commit instead", err=True)
-        _apply_source(str(path), catalog, ids, force)
-    skip = {name for name, _ in routed}
-    if skip and not actions.installed_targets(env, selectors, skip=skip):
-        return
-    result = actions.run_apply(
-        env, catalog,
-        selectors=selectors, skip=skip,
-        with_ids=ids,
-        force=force, dry_run=dry_run,
-        jit_base=jitcache.cache_base(jit_cache_base), on_wait=_wait_message,
-    )
-    click.echo(json.dumps(report.change_json(result), indent=2) if as_json else report.render_change(result))
-
-
-@cli.command(epilog=EXIT_CODES)
-@click.option("--flashinfer", is_flag=True, help="Revert flashinfer-python only.")
-@click.option("--sglang", is_flag=True, help="Revert sglang only.")
-@python_option
-@click.option("--force", is_flag=True, help="Restore the release's bytes even over files edited after patching.")
+@click.option("--dry-run", is_flag=True, help="Print the unified diff; change nothing (a checkout: no branch, no commit).")
+@click.option("--force", is_flag=True, help="Patch files that are not the release's bytes (drift, a symlink, an "
+              "unknown release) by meaning; recorded as unpinned.")
+@click.option("--build", "build_", is_flag=True, help="Then build trtllm_comm with FlashInfer's JIT into the server's "
+              "JIT cache, so the next start compiles nothing (minutes; see `sm120patch build --help`).")
+@arch_option
 @jit_option
+@wheel_dir_option
+@json_option
+def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base, wheel_dir, as_json, **selectors):
+    """Apply the patch set pinned to each installed release (or to a checkout, as one commit on
+    the branch sm120patch/<dist>-<version>). Required patches always, opt-in ones with --with.
+    One run is one transaction: everything or nothing. Re-applying changes nothing."""
+    from sm120patch import pipeline, render
+
+    progress = BuildProgress(quiet=as_json)
+    try:
+        report = pipeline.apply(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
+                                             wheel_dir=wheel_dir, with_ids=with_ids, force=force, dry_run=dry_run,
+                                             build=build_, arch=arch, on_build_step=progress, **selectors))
+    finally:
+        progress.close()
+    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
+    if report.build_error is not None:
+        raise report.build_error
+
+
+@cli.command(short_help="Build trtllm_comm into the server's JIT cache, so its next start compiles nothing.",
+             epilog=epilog(["sm120patch build --python ~/ml-env/bin/python3",
+                            "sm120patch build --python /opt/venv/bin/python --arch 12.0a   # an image build, no GPU",
+                            "sudo sm120patch build --python ~svc/env/bin/python   # builds as svc, in svc's cache"],
+                           [(0, "built, and proven to be the entry FlashInfer loads at start"),
+                            (1, "the build failed (its last lines are shown; no half-written entry is left)"), USAGE,
+                            (3, "refused: FlashInfer is not patched (run `sm120patch apply --build`)"), INTERRUPTED]))
+@python_option
+@arch_option
+@jit_option
+@json_option
+def build(python, arch, jit_cache_base, as_json):
+    """Build FlashInfer's trtllm_comm with FlashInfer's own JIT, in the target interpreter, into
+    the JIT cache the server reads (--jit-cache-base, else as `status` says), for the GPUs
+    FlashInfer sees (or FLASHINFER_CUDA_ARCH_LIST, or --arch), using every core. A fresh process
+    then proves that FlashInfer will load it without compiling."""
+    from sm120patch import pipeline, render
+
+    progress = BuildProgress(quiet=as_json)
+    try:
+        report = pipeline.build(request_from(python=python, jit_cache_base=jit_cache_base, arch=arch,
+                                             on_build_step=progress))
+    finally:
+        progress.close()
+    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
+
+
+class BuildProgress:
+    """ninja's [n/m] steps as a progress bar with the elapsed time, on a terminal only."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.enabled = not quiet and sys.stderr.isatty()
+        self.bar = None
+        self.done = 0
+
+    def __call__(self, line: str, step: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label="building trtllm_comm", file=sys.stderr, show_pos=True,
+                                         show_eta=True)
+            self.bar.__enter__()
+        self.bar.update(step - self.done)
+        self.done = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+@cli.command(short_help="Restore the release's bytes of every patched file.",
+             epilog=epilog(["sm120patch revert --python ~/ml-env/bin/python3",
+                            "sm120patch revert --python ~/ml-env/bin/python3 --sglang",
+                            "sm120patch revert --python ~/ml-env/bin/python3 --force --wheel-dir /srv/wheels",
+                            "sm120patch revert --source ~/src/flashinfer"],
+                           [(0, "restored (or nothing to restore)"), USAGE,
+                            (3, "refused for some distribution (edited after patching, no release bytes to be had); "
+                                "the others were restored"),
+                            (4, "failed; everything was rolled back"), INTERRUPTED]))
+@selector_options
+@python_option
 @source_option
+@click.option("--force", is_flag=True, help="Restore the release's bytes even over files edited by hand, and clear a "
+              "journal that cannot be rolled back.")
+@jit_option
+@wheel_dir_option
 @json_option
-@handle_errors
-def revert(flashinfer, sglang, python, force, jit_cache_base, source, as_json):
-    """Restore the release's original bytes of every patched file (checked against RECORD).
-    With --source: back to the original branch, deleting sm120patch's branch if it is unchanged."""
-    from sm120patch import actions, environment, jitcache, patchsets, report
+def revert(python, source, force, jit_cache_base, wheel_dir, as_json, **selectors):
+    """Restore what sm120patch replaced (the release's bytes), each checked against the installed
+    RECORD: from the saved original, else from the release wheel. A hand-made patch is reverted
+    too. With --source: back to the original branch."""
+    from sm120patch import pipeline, render
 
-    if source:
-        from sm120patch import source as source_tree
-
-        click.echo(source_tree.revert_source(source_tree.open_tree(source)))
-        return
-
-    env = environment.locate(python)
-    catalog = patchsets.load_catalog()
-    result = actions.run_revert(
-        env, catalog,
-        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
-        force=force, jit_base=jitcache.cache_base(jit_cache_base), on_wait=_wait_message,
-    )
-    click.echo(json.dumps(report.change_json(result), indent=2) if as_json else report.render_change(result))
+    report = pipeline.revert(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
+                                          wheel_dir=wheel_dir, force=force, **selectors))
+    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
+    for left in report.left:
+        click.echo(f"sm120patch: error: {left.name} {left.version} was not reverted: {left.error.message}", err=True)
+        if left.error.hint:
+            click.echo(f"hint: {left.error.hint}", err=True)
+    sys.exit(int(report.exit_code))
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(short_help="Print the unified diff apply would make.",
+             epilog=epilog(["sm120patch diff --python ~/ml-env/bin/python3 > sm120.patch",
+                            "cd $(python -c 'import site; print(site.getsitepackages()[0])') && patch -p1 < sm120.patch"],
+                           [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
+                            (3, "refused: drift, no pinned patch set")]))
+@selector_options
+@click.option("--with", "with_ids", metavar="ID,...", default="", help="Include these opt-in patches.")
 @python_option
-@click.option("--runtime", is_flag=True,
-              help="Ask FlashInfer's own JIT (in the target interpreter, needs torch) for trtllm_comm with "
-              "FLASHINFER_CUDA_ARCH_LIST=12.0a; import SGLang's patched module where it can be imported.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Compile the lamport kernel from the installed headers with nvcc to PTX: sm_120a must "
-              "contain griddepcontrol, sm_90a/sm_100a must equal the release's PTX (no GPU needed).")
-@click.option("--build", is_flag=True,
-              help="Run FlashInfer's own JIT build of trtllm_comm for sm_120a in a temporary workspace "
-              "(minutes; without a CUDA driver it compiles but cannot link).")
+@source_option
+@click.option("--force", is_flag=True, help="As apply --force: by meaning, for drifted files or unknown releases.")
+def diff(with_ids, python, source, force, **selectors):
+    """Print the unified diff apply would make, with paths from the package root (site-packages)
+    or the checkout's root: `patch -p1` and `git apply` accept it there. Changes nothing."""
+    from sm120patch import pipeline, render
+
+    report = pipeline.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
+    text = render.render_diff(report)
+    if text:
+        click.echo(text, nl=False)
+    else:
+        click.echo("sm120patch: nothing to apply: " + "; ".join(
+            f"{r.name} {r.version} is {'already patched' if r.plan else r.message}" for r in report.results), err=True)
+
+
+@cli.command(short_help="Prove the patched state: hashes, semantics, runtime, compile, build.",
+             epilog=epilog(["sm120patch verify --python ~/ml-env/bin/python3",
+                            "sm120patch verify --python ~/ml-env/bin/python3 --runtime --compile"],
+                           [(0, "every check ran and passed"),
+                            (1, "a check failed, or a check you asked for could not run (it says what it needs)"),
+                            USAGE, INTERRUPTED]))
+@python_option
+@click.option("--runtime", is_flag=True, help="FlashInfer's own JIT spec of trtllm_comm for 12.0a, and an import of each "
+              "patched module, in the target interpreter (needs torch; a temporary JIT workspace).")
+@click.option("--compile", "compile_", is_flag=True, help="The lamport kernel from the installed headers to PTX with nvcc: "
+              "sm_120a must contain griddepcontrol, sm_90a/sm_100a must equal the release's PTX (no GPU needed).")
+@click.option("--build", is_flag=True, help="FlashInfer's JIT build of trtllm_comm for sm_120a in a temporary workspace "
+              "(minutes; without a CUDA driver it compiles but does not link).")
 @jit_option
 @json_option
-@handle_errors
 def verify(python, runtime, compile_, build, jit_cache_base, as_json):
-    """Prove the patched state: manifest hashes and semantic checks (always), and optionally a
-    runtime, a compile and a build check. Exit 0 when every check that ran passed, else 1."""
-    from sm120patch import environment
+    """Prove the patched state: manifest hashes and semantic checks always; with options, a
+    runtime, a compile and a build check."""
+    from sm120patch import pipeline, render, verify as checks
 
-    probe = environment.start_probe(python)
-    from sm120patch import actions, jitcache, patchsets, report, verify as checks
-
-    env = probe.result()
-    status_report = actions.collect_status(env, patchsets.load_catalog(check_rewriters=False), jit_base=jitcache.cache_base(jit_cache_base))
-    results = [r for s in status_report.distributions for r in checks.static_checks(s)]
+    request = request_from(python=python, jit_cache_base=jit_cache_base)
+    report = pipeline.status(request)
     progress = None if as_json else (lambda text: click.echo(text, err=True))
-    if runtime:
-        results += checks.runtime_checks(env.executable, with_sglang=env.get("sglang") is not None)
-    flashinfer = [s for s in status_report.distributions if s.assessment.dist.name == "flashinfer-python"]
-    if compile_:
-        results += [r for s in flashinfer for r in checks.compile_checks(s, progress=progress)]
-    if build:
-        results += checks.build_check(env.executable, progress=progress)
-    click.echo(json.dumps(report.verify_json(env, results), indent=2) if as_json else report.render_verify(env, results))
-    sys.exit(int(report.verify_exit_code(results)))
+    results = checks.run_verify(report, Path(report.target), runtime=runtime, compile_=compile_, build=build,
+                                progress=progress)
+    emit(json.dumps(render.verify_json(report, results), indent=2) if as_json else render.render_verify(report, results))
+    sys.exit(int(checks.verify_exit_code(results)))
+
+
+@cli.command(short_help="Check the machine: GPUs, driver, toolkit, topology, the environment.",
+             epilog=epilog(["sm120patch doctor --python ~/ml-env/bin/python3", "sm120patch doctor --json"],
+                           [(0, "the report was made (it works without a GPU and says so)"), USAGE, INTERRUPTED]))
+@python_option
+@jit_option
+@json_option
+def doctor(python, jit_cache_base, as_json):
+    """GPUs and compute capability, driver and CUDA toolkit, PCIe-only topology, AOT shadowing,
+    version pins, upstream fixes, whether SGLang turns fusion on by itself."""
+    from sm120patch import doctor as checks, pipeline
+
+    result = checks.DoctorReport()
+    checks.examine_machine(result)
+    checks.examine_environment(result, pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)))
+    emit(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
+
+
+@cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
+             epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
+                            "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168"],
+                           [(0, "every shape matched the reference (and was timed)"),
+                            (1, "a fused result differs from the reference, or the kernel crashed or hung"),
+                            (2, "the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses"),
+                            (3, "refused: FlashInfer is not patched for the SM120 GPUs in use (run `sm120patch apply`)"),
+                            INTERRUPTED]))
+@python_option
+@click.option("--tp", type=int, default=None, metavar="N", help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
+@click.option("--tokens", metavar="LIST", default=",".join(map(str, DEFAULT_TOKENS)), show_default=True,
+              help="Token counts (batch sizes) to check and time.")
+@click.option("--hidden", metavar="LIST", default=",".join(map(str, DEFAULT_HIDDEN)), show_default=True,
+              help="Hidden sizes: your model's (e.g. 4096 for Llama-3-8B, 7168 for DeepSeek-V3).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--strategy", type=click.Choice(["auto", "oneshot", "twoshot", "both"]), default="auto", show_default=True,
+              help="auto: FlashInfer's own choice, as SGLang runs it; both: one-shot and two-shot.")
+@click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
+@jit_option
+@json_option
+def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_base, as_json):
+    """Check FlashInfer's fused allreduce + residual + RMSNorm against NCCL + RMSNorm on this
+    machine's GPUs, then time fused against unfused and recommend a setting.
+
+    Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
+    builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""
+    from sm120patch import bench as bench_mod
+
+    request = bench_mod.BenchRequest(
+        python=Path(python) if python else None, tp=tp,
+        tokens=bench_mod.parse_int_list(tokens, option="--tokens", minimum=1, maximum=16384),
+        hidden=bench_mod.parse_int_list(hidden, option="--hidden", minimum=128, maximum=16384, multiple_of=8),
+        dtype=dtype, strategy=strategy, check_only=check_only,
+        jit_base=Path(jit_cache_base).expanduser() if jit_cache_base else None,
+    )
+    progress = _BenchProgress() if sys.stderr.isatty() and not as_json else None
+    try:
+        result = bench_mod.bench(request, on_event=progress)
+    finally:
+        if progress:
+            progress.close()
+    emit(json.dumps(bench_mod.to_json(result), indent=2) if as_json else bench_mod.render(result))
+    failed = bench_mod.failure(result)
+    if failed:
+        raise failed
 
 
 class _BenchProgress:
@@ -243,164 +464,53 @@ class _BenchProgress:
             self.bar = None
 
 
-@cli.command(epilog="""\b
-Examples:
-  sm120patch bench --python ~/sglang-env/bin/python3
-  sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168
-
-\b
-Exit codes:
-  0  every shape matched the reference (and was timed)
-  1  a fused result differs from the reference, or the kernel crashed or hung
-  2  the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses
-  3  refused: FlashInfer is not patched for the SM120 GPUs in use (run `sm120patch apply`)
-  130 interrupted""")
-@python_option
-@click.option("--tp", type=int, default=None, metavar="N",
-              help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
-@click.option("--tokens", metavar="LIST", default=",".join(map(str, DEFAULT_BENCH_TOKENS)), show_default=True,
-              help="Token counts (batch sizes) to check and time.")
-@click.option("--hidden", metavar="LIST", default=",".join(map(str, DEFAULT_BENCH_HIDDEN)), show_default=True,
-              help="Hidden sizes: your model's (e.g. 4096 for Llama-3-8B, 7168 for DeepSeek-V3).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
-@click.option("--strategy", type=click.Choice(["auto", "oneshot", "twoshot", "both"]), default="auto", show_default=True,
-              help="auto: FlashInfer's own choice, as SGLang runs it; both: one-shot and two-shot.")
-@click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
-@jit_option
-@json_option
-@handle_errors
-def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_base, as_json):
-    """Check FlashInfer's fused allreduce + residual + RMSNorm against NCCL + RMSNorm on this
-    machine's GPUs, then time fused against unfused and recommend a setting.
-
-    Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
-    builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""
-    from pathlib import Path
-
-    from sm120patch import bench as bench_mod
-
-    request = bench_mod.BenchRequest(
-        python=Path(python) if python else None, tp=tp,
-        tokens=bench_mod.parse_int_list(tokens, option="--tokens", minimum=1, maximum=16384),
-        hidden=bench_mod.parse_int_list(hidden, option="--hidden", minimum=128, maximum=16384, multiple_of=8),
-        dtype=dtype, strategy=strategy, check_only=check_only,
-        jit_base=Path(jit_cache_base).expanduser() if jit_cache_base else None,
-    )
-    progress = _BenchProgress() if sys.stderr.isatty() and not as_json else None
-    try:
-        result = bench_mod.bench(request, on_event=progress)
-    finally:
-        if progress:
-            progress.close()
-    click.echo(json.dumps(bench_mod.to_json(result), indent=2) if as_json else bench_mod.render(result))
-    failed = bench_mod.failure(result)
-    if failed:
-        raise failed
-
-
-@cli.command()
-@python_option
-@jit_option
-@json_option
-@handle_errors
-def doctor(python, jit_cache_base, as_json):
-    """Check the machine and environment: GPUs and compute capability, driver and CUDA toolkit,
-    PCIe-only topology, AOT shadowing, version pins, upstream fixes, SGLang's fusion default.
-    Works without a GPU or nvidia-smi (it says so). Exit 0 unless an error stops it."""
-    from sm120patch import environment
-
-    probe = environment.start_probe(python)
-    from sm120patch import actions, doctor as checks, jitcache, patchsets
-
-    result = checks.DoctorReport()
-    checks.examine_machine(result)
-    env = probe.result()
-    status_report = actions.collect_status(env, patchsets.load_catalog(check_rewriters=False),
-                                           jit_base=jitcache.cache_base(jit_cache_base))
-    checks.examine_environment(result, status_report)
-    click.echo(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
-
-
-@cli.command()
-@click.option("--flashinfer", metavar="VER", default=None, help="Only flashinfer-python (installed at VER).")
-@click.option("--sglang", metavar="VER", default=None, help="Only sglang (installed at VER).")
-@click.option("--with", "with_ids", metavar="ID,...", default="", help="Include these opt-in patches.")
-@python_option
-@handle_errors
-def diff(flashinfer, sglang, with_ids, python):
-    """Print the unified diff apply would make, with paths from the package root
-    (site-packages): `git apply` and `patch -p1` accept it there. Changes nothing."""
-    from sm120patch import actions, environment, jitcache, patchsets
-
-    result = actions.run_apply(
-        environment.locate(python), patchsets.load_catalog(),
-        selectors={"flashinfer-python": flashinfer, "sglang": sglang},
-        with_ids=[i.strip() for i in with_ids.split(",") if i.strip()],
-        dry_run=True, jit_base=jitcache.cache_base(),
-    )
-    for r in result.results:
-        for planned in (r.plan.files if r.plan else ()):
-            click.echo(planned.diff(r.plan.assessment.dist.location), nl=False)
-
-
-@cli.command()
-@click.option("--source", metavar="PATH", required=True, help="The git checkout sm120patch committed to.")
+@cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
+             epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
+                           [(0, "written"), USAGE, (3, "sm120patch made no commit there")]))
+@click.option("--source", metavar="DIR", required=True, help="The git checkout sm120patch committed to.")
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
-@handle_errors
 def export(source, out):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
-    from pathlib import Path
+    from sm120patch import checkout, distributions, trees
 
-    from sm120patch import source as source_tree
-
-    for path in source_tree.export_source(source_tree.open_tree(source), Path(out)):
+    tree = trees.open_checkout(source, distributions.load_registry(check_rewriters=False))
+    for path in checkout.export(tree, Path(out)):
         click.echo(f"wrote {path}")
 
 
-@cli.command("list")
+@cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
+             epilog=epilog(["sm120patch list", "sm120patch list --json | jq '.sglang.releases | keys'"], [(0, "printed")]))
 @json_option
-@handle_errors
 def list_(as_json):
-    """The support matrix: every release sm120patch knows, its patches, and the upstream fix."""
-    from sm120patch import patchsets, report
+    """Every release sm120patch knows, its patches (required and opt-in), and the upstream fix."""
+    from sm120patch import distributions, render
 
-    catalog = patchsets.load_catalog(check_rewriters=False)
-    click.echo(json.dumps(report.list_json(catalog), indent=2) if as_json else report.render_list(catalog))
+    registry = distributions.load_registry(check_rewriters=False)
+    emit(json.dumps(render.list_json(registry), indent=2) if as_json else render.render_list(registry))
 
 
-@cli.group()
+@cli.group(short_help="Maintainers: build the vendor manifests from the real upstream wheels.")
 def manifest() -> None:
     """Build the vendor manifests from the real upstream wheels (maintainers)."""
 
 
-@manifest.command("build")
-@click.option("--wheel-cache", metavar="DIR", default=None,
-              help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
+@manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check"],
+                                         [(0, "written, or (--check) identical"), (1, "--check: a manifest differs"),
+                                          USAGE, (4, "a download failed")]))
+@click.option("--wheel-cache", metavar="DIR", default=None, help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
 @click.option("--out", metavar="DIR", default=None, help="Write here instead of vendor-manifests/.")
 @click.option("--check", is_flag=True, help="Rebuild and compare with the committed manifests; write nothing.")
-@handle_errors
 def manifest_build(wheel_cache, out, check):
-    """Download every pinned release's wheel and write its manifest."""
-    from pathlib import Path
+    """Download every pinned release's wheel and write (or compare) its manifest."""
+    from sm120patch import manifests
 
-    from sm120patch import manifests, patchsets, wheels
-
-    catalog = patchsets.load_catalog()
-    cache = Path(wheel_cache) if wheel_cache else wheels.default_cache()
-    stale = []
-    for patch_set in catalog.patch_sets:
-        for version in patch_set.versions:
-            wheel = wheels.fetch_wheel(patch_set.distribution, str(version), cache)
-            document = manifests.build_manifest(wheel, patch_set)
-            if check:
-                path = manifests.manifest_path(patch_set.distribution, str(version))
-                same = path.exists() and path.read_text(encoding="utf-8") == manifests.render(document)
-                click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}")
-                stale += [] if same else [path]
-            else:
-                click.echo(f"wrote {manifests.write_manifest(document, Path(out) if out else None)}")
-    if stale:
-        sys.exit(int(ExitCode.NOT_PATCHED))
+    progress = (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() else None
+    result = manifests.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
+                                 check=check, progress=progress)
+    for path, same in result:
+        click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
+    if check and not all(same for _, same in result):
+        sys.exit(int(ExitCode.NOT_OK))
 
 
 def main() -> None:

@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 
 from packaging.version import Version
 
-from sm120patch.actions import StatusReport
-from sm120patch.facts import sglang_auto_enables_fusion
-from sm120patch.report import overall
+from sm120patch.pipeline import StatusReport
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # SM120 needs CUDA 12.8 (sm_120a); FlashInfer >= 0.6.7 targets 120f, which needs 12.9.
@@ -172,27 +170,26 @@ def examine_machine(report: DoctorReport) -> None:
 
 
 def examine_environment(report: DoctorReport, status: StatusReport) -> None:
-    for s in status.distributions:
-        a = s.assessment
-        report.add("ok" if overall(a) in ("patched", "fixed upstream") else "info",
-                   f"{a.dist.name} {a.dist.raw_version}: {overall(a)}" + (f" ({a.reason})" if a.reason else ""))
-        if a.patch_set is not None and a.patch_set.fixed_in:
-            report.add("info", f"{a.dist.name} {a.patch_set.fixed_in} and later support SM120 here natively ({a.patch_set.upstream})")
-        if a.dist.name == "sglang":
-            if sglang_auto_enables_fusion(a.dist.version):
-                report.add("warn", f"sglang {a.dist.raw_version} turns fusion on by itself on SM120 (is_blackwell_supported()): "
-                           "once sm120patch's patches are applied it runs without --enable-flashinfer-allreduce-fusion")
-            else:
-                report.add("info", f"sglang {a.dist.raw_version} uses fusion on SM120 only with --enable-flashinfer-allreduce-fusion"
-                           " (or, on 0.5.8 to 0.5.14, the opt-in patch auto-enable)")
-    if not status.distributions:
-        report.add("info", "neither flashinfer-python nor sglang is installed in this environment")
+    for item in status.trees:
+        a, distribution = item.assessment, item.distribution
+        verdict = a.verdict
+        report.add("ok" if verdict.done else "info",
+                   f"{a.name} {a.raw_version}: {verdict.value}" + (f" ({a.reason})" if a.reason else ""))
+        if a.patch_set is not None and distribution.fixed_in:
+            report.add("info", f"{a.name} {distribution.fixed_in} and later support SM120 here natively ({distribution.upstream})")
+        for advice in item.advice:
+            report.add(advice.level, advice.render(a.raw_version))
+        if item.pin:
+            report.add("info", item.pin)
+        if item.jit is not None:
+            for entry in item.jit.stale:
+                report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")
+            for entry, source in item.jit.foreign.items():
+                report.add("info", f"JIT cache entry {entry} was built from another environment's sources ({source})")
+    if not status.trees:
+        report.add("info", f"none of {', '.join(status.registry_names)} is installed in this environment")
     for shadow in status.aot:
         report.add("warn", f"prebuilt {shadow.path} ({shadow.source}) shadows the patched sources: uninstall flashinfer-jit-cache or remove it")
-    if status.pin_mismatch:
-        report.add("info", status.pin_mismatch)
-    for entry in status.stale_jit:
-        report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")
 
 
 def render(report: DoctorReport) -> str:

@@ -1,4 +1,7 @@
-"""One exception base for every expected failure, each carrying its documented exit code."""
+"""One exception base for every expected failure, each carrying its documented exit code.
+
+The CLI turns a :class:`Sm120PatchError` into one line (``sm120patch: error: ...``), an
+optional ``hint:`` line that works when copied as printed, and the exit code below."""
 
 from __future__ import annotations
 
@@ -6,13 +9,16 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
-    """Process exit codes, documented in the README ("Exit codes")."""
+    """Process exit codes, documented in the README ("Exit codes") and in each command's help."""
 
     OK = 0
-    NOT_PATCHED = 1  # status/verify: something selected is not (fully) patched
-    USAGE = 2  # bad input: options, --python, version selectors, patch-set data
-    REFUSED = 3  # a file is not the release's bytes (drift), or no pinned patch set
-    FAILED = 4  # an operation failed (I/O, lock held); everything was rolled back
+    # status: something installed is not (fully) patched; verify/bench: a check failed or could
+    # not run; revert: something could not be restored (the rest was).
+    NOT_OK = 1
+    USAGE = 2  # bad input: options, --python, a version selector, patch-set data
+    REFUSED = 3  # a file is not the release's bytes (drift), no pinned patch set, an interrupted run
+    FAILED = 4  # an operation failed (I/O, permissions, lock held); everything was rolled back
+    INTERRUPTED = 130  # Ctrl-C; the change in progress was rolled back
 
 
 class Sm120PatchError(Exception):
@@ -33,26 +39,26 @@ class UsageError(Sm120PatchError):
 
 
 class TargetError(UsageError):
-    """The target interpreter or environment cannot be inspected."""
+    """The target interpreter, environment or checkout cannot be inspected."""
 
 
 class PatchDataError(UsageError):
-    """A patch set or manifest is malformed or inconsistent."""
+    """A patch set, distribution file or manifest is malformed or inconsistent."""
 
 
 class RefusedError(Sm120PatchError):
-    """The environment is not in a state we can safely change."""
+    """The environment is not in a state sm120patch can safely change."""
 
     exit_code = ExitCode.REFUSED
 
 
 class CheckFailedError(Sm120PatchError):
-    """A check the user asked for ran and failed (bench: a fused result off the reference)."""
+    """A check the user asked for ran and failed, or could not run."""
 
-    exit_code = ExitCode.NOT_PATCHED
+    exit_code = ExitCode.NOT_OK
 
 
 class TransactionError(Sm120PatchError):
-    """A write failed; the transaction was rolled back."""
+    """A write failed; the transaction was rolled back (the message says what is left)."""
 
     exit_code = ExitCode.FAILED

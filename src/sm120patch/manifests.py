@@ -9,27 +9,23 @@ by the ids of the patches applied to it, joined with ``+`` in patch-set order.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import itertools
 import json
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
-
-from packaging.utils import parse_wheel_filename
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from sm120patch.data import data_dir
 from sm120patch.environment import parse_record_hash
 from sm120patch.errors import PatchDataError
+from sm120patch.hashing import sha256
 from sm120patch.patchsets import Patch, PatchSet
 
+if TYPE_CHECKING:
+    import zipfile
+
 FORMAT = 1
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def combination_key(patches: Sequence[Patch]) -> str:
@@ -81,8 +77,8 @@ def load_manifest(distribution: str, version: str, root: Path | None = None) -> 
         raise PatchDataError(f"{path}: malformed manifest ({exc})") from None
 
 
-def apply_edits(source: bytes, patches: Sequence[Patch], *, where: str, by_meaning: bool = False) -> bytes:
-    """Run every edit of ``patches`` on ``source``. Pinned use (the default): the source must be
+def apply_edits(data: bytes, patches: Sequence[Patch], *, where: str, by_meaning: bool = False) -> bytes:
+    """Run every edit of ``patches`` on ``data``. Pinned use (the default): ``data`` must be
     pristine for all of them, anything else is inconsistent patch data. ``by_meaning`` (--force,
     unpinned releases, source trees): edits already present are skipped, and a rewriter that
     finds another site count refuses the file; exact site counts hold either way."""
@@ -91,9 +87,9 @@ def apply_edits(source: bytes, patches: Sequence[Patch], *, where: str, by_meani
 
     for patch in patches:
         for edit in patch.edits:
-            result = create(edit.rewriter, edit.params).rewrite(source, sites=edit.sites)
+            result = create(edit.rewriter, edit.params).rewrite(data, sites=edit.sites)
             if isinstance(result, Changed):
-                source = result.source
+                data = result.data
             elif by_meaning and isinstance(result, AlreadyApplied):
                 continue
             elif by_meaning:
@@ -101,10 +97,22 @@ def apply_edits(source: bytes, patches: Sequence[Patch], *, where: str, by_meani
             else:
                 detail = getattr(result, "reason", "already applied in the pristine file")
                 raise PatchDataError(f"{where}: patch {patch.id} ({edit.rewriter}): {detail}")
-    return source
+    return data
+
+
+def wheel_file(wheel: Path, relpath: str) -> tuple[bytes, str | None]:
+    """One file of a wheel and the hash the wheel's own RECORD gives it."""
+    archive, record = read_wheel(wheel)
+    with archive:
+        try:
+            return archive.read(relpath), record.get(relpath)
+        except KeyError:
+            raise PatchDataError(f"{wheel.name} has no {relpath}") from None
 
 
 def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
+    import zipfile
+
     archive = zipfile.ZipFile(wheel)
     records = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
     if len(records) != 1:
@@ -115,9 +123,11 @@ def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
 
 def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
     """The manifest document for ``wheel`` (a real upstream wheel) under ``patch_set``."""
+    from packaging.utils import parse_wheel_filename  # slow import (packaging.tags): only here
+
     name, version, _, _ = parse_wheel_filename(wheel.name)
     if name != patch_set.distribution or version not in patch_set.versions:
-        raise PatchDataError(f"{wheel.name} is not pinned by {patch_set.source.name}")
+        raise PatchDataError(f"{wheel.name} is not pinned by {patch_set.name}")
     archive, record = read_wheel(wheel)
     files = {}
     with archive:
@@ -139,7 +149,7 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
         "generated_by": "sm120patch manifest build",
         "distribution": patch_set.distribution,
         "version": str(version),
-        "patch_set": patch_set.source.name,
+        "patch_set": patch_set.name,
         "wheel": {"filename": wheel.name, "sha256": sha256(wheel.read_bytes())},
         "files": files,
     }
@@ -154,3 +164,26 @@ def write_manifest(document: dict, root: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(document), encoding="utf-8")
     return path
+
+
+def build_all(wheel_cache: Path | None, out: Path | None, *, check: bool,
+              progress=None) -> list[tuple[Path, bool]]:
+    """Every pinned release's manifest from its real wheel (downloaded once into the cache):
+    written (or, ``check``, compared with the committed one). Returns (path, identical)."""
+    from sm120patch import wheels
+    from sm120patch.distributions import load_registry
+
+    cache = wheel_cache or wheels.default_cache()
+    results = []
+    releases = [(ps, v) for ps in load_registry().patch_sets for v in ps.versions]
+    for index, (patch_set, version) in enumerate(releases, 1):
+        if progress:
+            progress(f"[{index}/{len(releases)}] {patch_set.distribution} {version}")
+        wheel = wheels.fetch_wheel(patch_set.distribution, str(version), cache)
+        document = build_manifest(wheel, patch_set)
+        if check:
+            path = manifest_path(patch_set.distribution, str(version))
+            results.append((path, path.exists() and path.read_text(encoding="utf-8") == render(document)))
+        else:
+            results.append((write_manifest(document, out), True))
+    return results

@@ -1,22 +1,30 @@
-"""Patch sets: TOML data in ``patches/`` that pin exact releases to the edits they need.
+"""Patch sets: TOML data that pins exact releases to the edits they need.
 
-A patch set names one distribution and the exact versions it is pinned to; each patch names
-one file (a RECORD path), whether it is required or opt-in, its provenance, and a list of
-edits, each a registered rewriter with its parameters and the exact number of sites.
+A patch set lives in ``patches/<distribution>/<first release>.toml`` and names the exact
+versions it is pinned to; each patch names one file (a RECORD path), whether it is required or
+opt-in, its provenance, the semantic check that proves it is present (``semantics.py``), and
+a list of edits, each a registered rewriter with its parameters and the exact number of sites.
 Nothing in this data is executed; rewriter parameters are only parsed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch.data import data_dir, toml
-from sm120patch.environment import normalize_name, normalize_relpath
-from sm120patch.errors import PatchDataError
+from sm120patch.data import toml
+from sm120patch.errors import PatchDataError, UsageError
+
+
+def normalize_relpath(relpath: str) -> str:
+    """A RECORD-style relative path, or ValueError for one that could escape its root."""
+    path = PurePosixPath(relpath)
+    if not relpath or path.is_absolute() or ".." in path.parts or "\\" in relpath:
+        raise ValueError(f"not a safe relative path: {relpath!r}")
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class Patch:
     file: str
     required: bool
     summary: str
+    check: str  # the semantic check (semantics.CHECKS) that tells whether the change is there
     edits: tuple[Edit, ...]
     upstream: str | None = None
     fixed_in: str | None = None
@@ -43,10 +52,13 @@ class PatchSet:
     versions: tuple[Version, ...]
     summary: str
     patches: tuple[Patch, ...]
-    source: Path
-    fixed_in: Version | None = None
-    upstream: str | None = None
+    path: Path  # the TOML file it was read from
     notes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """How manifests and messages name this set: ``<distribution>/<file>``."""
+        return f"{self.distribution}/{self.path.name}"
 
     def patch(self, patch_id: str) -> Patch:
         for patch in self.patches:
@@ -61,18 +73,22 @@ class PatchSet:
     def patches_for(self, relpath: str) -> tuple[Patch, ...]:
         return tuple(p for p in self.patches if p.file == relpath)
 
+    @property
+    def opt_in(self) -> tuple[str, ...]:
+        return tuple(p.id for p in self.patches if not p.required)
+
     def select(self, with_ids: Sequence[str] = ()) -> tuple[Patch, ...]:
         """The required patches plus the named opt-in ones, in patch-set order."""
-        known = {p.id for p in self.patches}
+        known = {p.id: p for p in self.patches}
+        offered = ", ".join(self.opt_in) or "none"
         unknown = [i for i in with_ids if i not in known]
         if unknown:
-            from sm120patch.errors import UsageError
-
-            optional = ", ".join(p.id for p in self.patches if not p.required) or "none"
-            raise UsageError(
-                f"--with {','.join(unknown)}: no such patch for {self.distribution} "
-                f"(opt-in patches: {optional})"
-            )
+            raise UsageError(f"--with {','.join(unknown)}: no such patch for {self.distribution} "
+                             f"(opt-in patches here: {offered})")
+        required = [i for i in with_ids if known[i].required]
+        if required:
+            raise UsageError(f"--with {','.join(required)}: required, so always applied; --with names opt-in patches "
+                             f"(for {self.distribution}: {offered})")
         return tuple(p for p in self.patches if p.required or p.id in with_ids)
 
 
@@ -85,25 +101,30 @@ def _require(table: Mapping, key: str, kind: type | tuple[type, ...], where: str
     return value
 
 
-def _version(text: str, where: str) -> Version:
+def parse_version(text: str, where: str) -> Version:
     try:
         return Version(text)
     except InvalidVersion:
         raise PatchDataError(f"{where}: {text!r} is not a version") from None
 
 
-def parse_patch_set(path: Path, *, check_rewriters: bool = True) -> PatchSet:
-    """Read and validate one patch-set file. With ``check_rewriters`` (the default) each
-    edit's rewriter is constructed, which validates its name and parameters; ``status``
-    skips that to stay fast (it never runs a rewriter)."""
-    where = path.name
+def read_toml(path: Path, where: str) -> dict:
     try:
-        doc = toml.loads(path.read_text(encoding="utf-8"))
+        return toml.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise PatchDataError(f"{where}: cannot read ({exc})") from None
     except toml.TOMLDecodeError as exc:
         raise PatchDataError(f"{where}: not valid TOML ({exc})") from None
 
+
+def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = True) -> PatchSet:
+    """Read and validate one patch-set file of ``distribution``. With ``check_rewriters`` (the
+    default) each edit's rewriter is constructed, which validates its name and parameters;
+    ``status`` skips that to stay fast (it never runs a rewriter)."""
+    from sm120patch.semantics import CHECKS
+
+    where = f"{distribution}/{path.name}"
+    doc = read_toml(path, where)
     patches = []
     seen: set[str] = set()
     for index, raw in enumerate(_require(doc, "patch", list, where)):
@@ -117,16 +138,16 @@ def parse_patch_set(path: Path, *, check_rewriters: bool = True) -> PatchSet:
             file = normalize_relpath(_require(raw, "file", str, pwhere))
         except ValueError as exc:
             raise PatchDataError(f"{pwhere}: {exc}") from None
+        check = _require(raw, "check", str, pwhere)
+        if check not in CHECKS:
+            raise PatchDataError(f"{pwhere}: no semantic check named {check!r} (known: {', '.join(sorted(CHECKS))})")
         edits = []
         for raw_edit in _require(raw, "edit", list, pwhere):
             sites = _require(raw_edit, "sites", int, pwhere)
             if sites < 1:
                 raise PatchDataError(f"{pwhere}: sites must be at least 1")
-            edit = Edit(
-                rewriter=_require(raw_edit, "rewriter", str, pwhere),
-                sites=sites,
-                params=dict(_require(raw_edit, "params", dict, pwhere)),
-            )
+            edit = Edit(rewriter=_require(raw_edit, "rewriter", str, pwhere), sites=sites,
+                        params=dict(_require(raw_edit, "params", dict, pwhere)))
             if check_rewriters:
                 from sm120patch.rewriters import create
 
@@ -134,94 +155,15 @@ def parse_patch_set(path: Path, *, check_rewriters: bool = True) -> PatchSet:
             edits.append(edit)
         if not edits:
             raise PatchDataError(f"{pwhere}: no edits")
-        patches.append(
-            Patch(
-                id=patch_id,
-                file=file,
-                required=_require(raw, "required", bool, pwhere),
-                summary=_require(raw, "summary", str, pwhere),
-                edits=tuple(edits),
-                upstream=raw.get("upstream"),
-                fixed_in=raw.get("fixed_in"),
-            )
-        )
-    versions = tuple(_version(v, where) for v in _require(doc, "versions", list, where))
+        patches.append(Patch(
+            id=patch_id, file=file, required=_require(raw, "required", bool, pwhere),
+            summary=_require(raw, "summary", str, pwhere), check=check, edits=tuple(edits),
+            upstream=raw.get("upstream"), fixed_in=raw.get("fixed_in"),
+        ))
+    versions = tuple(parse_version(v, where) for v in _require(doc, "versions", list, where))
     if not versions:
         raise PatchDataError(f"{where}: 'versions' is empty")
-    fixed_in = doc.get("fixed_in")
     return PatchSet(
-        distribution=normalize_name(_require(doc, "distribution", str, where)),
-        versions=versions,
-        summary=_require(doc, "summary", str, where),
-        patches=tuple(patches),
-        source=path,
-        fixed_in=_version(fixed_in, where) if fixed_in else None,
-        upstream=doc.get("upstream"),
-        notes=tuple(doc.get("notes", ())),
+        distribution=distribution, versions=versions, summary=_require(doc, "summary", str, where),
+        patches=tuple(patches), path=path, notes=tuple(doc.get("notes", ())),
     )
-
-
-@dataclass
-class Catalog:
-    """Every patch set, indexed by distribution and pinned version."""
-
-    patch_sets: list[PatchSet] = field(default_factory=list)
-
-    def for_distribution(self, name: str) -> list[PatchSet]:
-        name = normalize_name(name)
-        return [ps for ps in self.patch_sets if ps.distribution == name]
-
-    def find(self, name: str, version: Version | None) -> PatchSet | None:
-        if version is None:
-            return None
-        for patch_set in self.for_distribution(name):
-            # Exact pins: '0.6.4' is not '0.6.4.post1' nor '0.6.4+local'.
-            if any(str(version) == str(pinned) for pinned in patch_set.versions):
-                return patch_set
-        return None
-
-    def known_versions(self, name: str) -> list[Version]:
-        return sorted(v for ps in self.for_distribution(name) for v in ps.versions)
-
-    def by_source(self, filename: str) -> PatchSet | None:
-        return next((ps for ps in self.patch_sets if ps.source.name == filename), None)
-
-    def closest_set(self, name: str, version: Version | None) -> PatchSet | None:
-        """For a release no set pins: the set of the highest known release below it, else the
-        lowest above (what `apply --force` tries, by meaning)."""
-        pinned = sorted((v, ps) for ps in self.for_distribution(name) for v in ps.versions)
-        if not pinned or version is None:
-            return None
-        below = [ps for v, ps in pinned if v < version]
-        return below[-1] if below else pinned[0][1]
-
-    def nearest(self, name: str, version: Version | None) -> str:
-        """The known releases on either side of ``version``, in words, for refusals."""
-        known = self.known_versions(name)
-        if not known:
-            return "sm120patch knows no release of it"
-        if version is None:
-            return f"known releases: {known[0]} to {known[-1]}"
-        below = [v for v in known if v < version]
-        above = [v for v in known if v > version]
-        parts = ([f"nearest known below: {below[-1]}"] if below else []) + ([f"above: {above[0]}"] if above else [])
-        return ", ".join(parts) + f"; sm120patch knows {known[0]} to {known[-1]}"
-
-    def fixed_in(self, name: str) -> Version | None:
-        fixes = [ps.fixed_in for ps in self.for_distribution(name) if ps.fixed_in]
-        return min(fixes) if fixes else None
-
-
-def load_catalog(directory: Path | None = None, *, check_rewriters: bool = True) -> Catalog:
-    directory = directory or data_dir("patches")
-    catalog = Catalog()
-    seen: dict[tuple[str, str], Path] = {}
-    for path in sorted(directory.glob("*.toml")):
-        patch_set = parse_patch_set(path, check_rewriters=check_rewriters)
-        for version in patch_set.versions:
-            key = (patch_set.distribution, str(version))
-            if key in seen:
-                raise PatchDataError(f"{path.name}: {key[0]} {key[1]} is also pinned by {seen[key].name}")
-            seen[key] = path
-        catalog.patch_sets.append(patch_set)
-    return catalog

@@ -1,296 +1,227 @@
-"""For one installed distribution: what state each patched file is in, and what apply or
-revert would write, with the expected before/after hashes, or a refusal that says why."""
+"""From an assessment to the exact edits apply or revert would make, each with its
+before/after hashes, or a refusal that says why and what to run. Tree-agnostic: the same plan
+is written by a transaction (an environment) or as a commit (a checkout), or only shown (a
+dry run)."""
 
 from __future__ import annotations
 
 import difflib
-import enum
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from sm120patch.environment import InstalledDistribution, InstalledFiles, TargetEnvironment
+from sm120patch.assess import Assessment, FileAssessment, FileState, Origin
 from sm120patch.errors import PatchDataError, RefusedError
-from sm120patch.facts import SDIST_ONLY
-from sm120patch.manifests import FileHashes, Manifest, apply_edits, combination_key, load_manifest
-from sm120patch.patchsets import Catalog, Patch, PatchSet
-from sm120patch.state import AppliedFile, AppliedRecord, DistributionState
+from sm120patch.hashing import sha256
+from sm120patch.manifests import apply_edits, combination_key
+from sm120patch.patchsets import Patch
+from sm120patch.state import Ledger, LedgerFile
 
-
-class FileState(enum.Enum):
-    PRISTINE = "pristine"  # the release's bytes (RECORD and manifest agree)
-    APPLIED = "applied"  # exactly the bytes the manifest expects for some patch combination
-    DRIFTED = "drifted"  # anything else: edited by hand, another build, a half-applied patch
-    MISSING = "missing"  # RECORD lists it, the file is gone
-
-
-class PatchState(enum.Enum):
-    PRISTINE = "pristine"
-    APPLIED = "applied"
-    DRIFTED = "drifted"
-    MISSING = "missing"
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-@dataclass(frozen=True)
-class FileAssessment:
-    relpath: str
-    path: Path
-    state: FileState
-    sha256: str | None
-    applied: tuple[str, ...] = ()  # patch ids whose combination the bytes match
-    detail: str = ""
-
-
-@dataclass
-class DistributionAssessment:
-    env: TargetEnvironment
-    dist: InstalledDistribution
-    patch_set: PatchSet | None
-    manifest: Manifest | None
-    files: dict[str, FileAssessment] = field(default_factory=dict)
-    record: AppliedRecord | None = None
-    fixed_upstream: bool = False
-    reason: str = ""  # why there is nothing to patch
-    unpinned: bool = False  # a release no set pins, handled with the closest set (apply --force)
-
-    @property
-    def state(self) -> DistributionState:
-        return DistributionState(self.env.state_root(self.dist) / self.dist.name)
-
-    @property
-    def tree(self) -> InstalledFiles:
-        return InstalledFiles(self.dist)
-
-    def patch_state(self, patch: Patch) -> PatchState:
-        assessment = self.files[patch.file]
-        if assessment.state is FileState.APPLIED:
-            return PatchState.APPLIED if patch.id in assessment.applied else PatchState.PRISTINE
-        return PatchState(assessment.state.value)
-
-    @property
-    def dropped_by_reinstall(self) -> list[str]:
-        """Patches the applied record lists whose files are pristine again (pip reinstalled)."""
-        if self.record is None:
-            return []
-        return [
-            patch_id
-            for rel, applied in self.record.files.items()
-            if rel in self.files and self.files[rel].state is FileState.PRISTINE
-            for patch_id in applied.patches
-        ]
-
-
-def assess(env: TargetEnvironment, dist: InstalledDistribution, catalog: Catalog, *,
-           force_unknown: bool = False) -> DistributionAssessment:
-    """Each patched file's state. A release no patch set pins is assessed with the closest set
-    when ``force_unknown`` (apply --force) or when an earlier forced apply recorded one."""
-    patch_set = catalog.find(dist.name, dist.version)
-    fixed_in = catalog.fixed_in(dist.name)
-    result = DistributionAssessment(env=env, dist=dist, patch_set=patch_set, manifest=None)
-    if patch_set is None:
-        if dist.version is not None and fixed_in is not None and dist.version >= fixed_in:
-            result.fixed_upstream = True
-            still_gated = " ".join(n for ps in catalog.for_distribution(dist.name) for n in ps.notes if "gated" in n)
-            result.reason = (f"{dist.name} {dist.raw_version} supports SM120 here natively (fixed upstream in {fixed_in})"
-                             + (f". {still_gated}" if still_gated else ""))
-        elif dist.raw_version in SDIST_ONLY.get(dist.name, ()):
-            result.reason = (f"{dist.name} {dist.raw_version} was published as an sdist only: there is no wheel RECORD "
-                             "to check its files against; upgrade to a release sm120patch knows (see `sm120patch list`)")
-        else:
-            result.reason = f"no patch set is pinned to {dist.name} {dist.raw_version} ({catalog.nearest(dist.name, dist.version)})"
-            return _assess_unpinned(result, catalog, force_unknown)
-        return result
-    result.manifest = load_manifest(dist.name, str(dist.version))
-    if result.manifest is None:
-        raise PatchDataError(f"no vendor manifest for {dist.name} {dist.raw_version}; run `make manifests`")
-    result.record = result.state.read_applied()
-    tree = result.tree
-    for relpath in patch_set.files:
-        result.files[relpath] = _assess_file(tree, relpath, result.manifest)
-    return result
-
-
-def _assess_unpinned(result: DistributionAssessment, catalog: Catalog, force_unknown: bool) -> DistributionAssessment:
-    record = result.state.read_applied()
-    borrowed = None
-    if record is not None and record.unpinned and record.patch_set and record.version == result.dist.raw_version:
-        borrowed = catalog.by_source(record.patch_set)
-    elif force_unknown:
-        borrowed = catalog.closest_set(result.dist.name, result.dist.version)
-    if borrowed is None:
-        return result
-    result.patch_set, result.unpinned, result.record = borrowed, True, record
-    # No vendor manifest vouches for this release: its own RECORD gives the pristine hashes,
-    # and what sm120patch wrote (the applied record) gives the patched ones.
-    tree = result.tree
-    result.manifest = Manifest(
-        distribution=result.dist.name, version=result.dist.raw_version, wheel="", wheel_sha256="",
-        files={
-            rel: FileHashes(
-                pristine=tree.release_sha256(rel) or "",
-                patched={"+".join(record.files[rel].patches): record.files[rel].patched} if record and rel in record.files else {},
-            )
-            for rel in borrowed.files
-        },
-    )
-    for relpath in borrowed.files:
-        result.files[relpath] = _assess_file(tree, relpath, result.manifest)
-    return result
-
-
-def _assess_file(tree: InstalledFiles, relpath: str, manifest: Manifest) -> FileAssessment:
-    try:
-        path = tree.absolute(relpath)
-    except RefusedError as exc:
-        return FileAssessment(relpath, tree.dist.location / relpath, FileState.DRIFTED, None, detail=exc.message)
-    expected = manifest.files[relpath]
-    try:
-        digest = sha256(path.read_bytes())
-    except FileNotFoundError:
-        return FileAssessment(relpath, path, FileState.MISSING, None)
-    release = tree.release_sha256(relpath)
-    if release != expected.pristine:
-        return FileAssessment(
-            relpath, path, FileState.DRIFTED, digest,
-            detail="the installed RECORD does not describe the release sm120patch knows (another build?)",
-        )
-    if digest == expected.pristine:
-        return FileAssessment(relpath, path, FileState.PRISTINE, digest)
-    combination = expected.combination_of(digest)
-    if combination is not None:
-        return FileAssessment(relpath, path, FileState.APPLIED, digest, tuple(combination.split("+")))
-    return FileAssessment(relpath, path, FileState.DRIFTED, digest, detail="bytes match neither the release nor a patched form")
+# Where the release's bytes of a file come from when the file is not the release's any more:
+# (relpath, expected sha256) -> (bytes, where they came from), or None.
+ReleaseBytes = Callable[[str, str], "tuple[bytes, str] | None"]
 
 
 def text_diff(before: bytes, after: bytes, before_label: str, after_label: str) -> str:
-    return "".join(
-        difflib.unified_diff(
-            before.decode("utf-8", "replace").splitlines(keepends=True),
-            after.decode("utf-8", "replace").splitlines(keepends=True),
-            fromfile=before_label,
-            tofile=after_label,
-        )
-    )
+    return "".join(difflib.unified_diff(
+        before.decode("utf-8", "replace").splitlines(keepends=True),
+        after.decode("utf-8", "replace").splitlines(keepends=True),
+        fromfile=before_label, tofile=after_label,
+    ))
 
 
 @dataclass(frozen=True)
 class PlannedFile:
     relpath: str
     path: Path
-    before: str
+    before: str | None  # sha256 of what is there now (None: missing)
     after: str
-    data: bytes
-    current: bytes
-    patches: tuple[str, ...]
-    original: bytes | None  # the bytes revert will restore, when first saved by this apply
+    data: bytes  # the new bytes
+    current: bytes | None
+    patches: tuple[str, ...]  # the patches the new bytes carry (none: the release's bytes)
+    original: bytes | None = None  # the release's bytes, to save (the first patch of a file)
+    restore_from: str = ""  # revert: where the release's bytes come from (saved original, wheel)
+    replaces_link: str | None = None  # the file is a symlink to this target; it becomes a regular file
+    relink: str | None = None  # revert: put this symlink back instead of writing data
 
-    def diff(self, root: Path) -> str:
-        label = self.path.relative_to(root).as_posix()
-        return text_diff(self.current, self.data, f"a/{label}", f"b/{label}")
+    def diff(self, label: str) -> str:
+        return text_diff(self.current or b"", self.data, f"a/{label}", f"b/{label}")
 
 
 @dataclass(frozen=True)
 class Plan:
-    assessment: DistributionAssessment
+    assessment: Assessment
     files: tuple[PlannedFile, ...]  # only what changes; files already as wanted are left out
-    new_record: AppliedRecord | None
+    ledger: Ledger | None  # what the ledger will say (None: nothing applied, the ledger goes)
+    adopted: tuple[str, ...] = ()  # hand edits equal to the patch, recorded without a change
+
+    @property
+    def ledger_changes(self) -> bool:
+        return self.ledger != self.assessment.ledger
+
+    @property
+    def empty(self) -> bool:
+        return not self.files and not self.ledger_changes
 
 
-def _drift_refusal(assessment: DistributionAssessment, fa: FileAssessment, verb: str) -> RefusedError:
-    dist = assessment.dist
+def _reinstall_hint(assessment: Assessment) -> str:
+    tree = assessment.tree
+    env = getattr(tree, "env", None)
+    if env is not None:
+        return f"reinstall with `{env.reinstall_command(tree.dist)}`"
+    return f"`git checkout -- {tree.root}` restores the checkout's files"
+
+
+def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release: ReleaseBytes | None,
+                  *, force_offered: bool) -> RefusedError:
+    name, version = assessment.name, assessment.raw_version
+    if fa.state is FileState.MISSING:
+        what = "is missing" + (f" ({fa.detail})" if fa.detail else "")
+    else:
+        what = f"is not the {version} release's bytes ({fa.detail})" if fa.detail else f"is not the {version} release's bytes"
     diff = ""
-    original = assessment.state.original(fa.relpath)
-    if original.exists() and fa.state is FileState.DRIFTED:
-        diff = text_diff(original.read_bytes(), fa.path.read_bytes(), f"release/{fa.relpath}", f"installed/{fa.relpath}")
-    what = "is missing" if fa.state is FileState.MISSING else f"is not the {dist.raw_version} release's bytes ({fa.detail})"
-    error = RefusedError(
-        f"refusing to {verb} {dist.name}: {fa.path} {what}",
-        hint=(diff + "\n" if diff else "")
-        + f"reinstall with `pip install --force-reinstall --no-deps {dist.name}=={dist.raw_version}`"
-        + (" or pass --force to patch it as it is" if fa.state is FileState.DRIFTED and verb == "patch" else ""),
+    expected = assessment.manifest.files[fa.relpath].pristine if assessment.manifest else None
+    if fa.read.data is not None and release is not None and expected:
+        found = release(fa.relpath, expected)
+        if found is not None:
+            diff = text_diff(found[0], fa.read.data, f"release/{fa.relpath}", f"installed/{fa.relpath}")
+    return RefusedError(
+        f"refusing to {verb} {name}: {fa.path} {what}",
+        hint=(diff + "\n" if diff else "") + _reinstall_hint(assessment)
+        + (", or pass --force to patch it as it is" if force_offered else ""),
     )
-    return error
 
 
-def plan_apply(assessment: DistributionAssessment, selected: Sequence[Patch], *, force: bool = False) -> Plan:
+def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
+    tree = assessment.tree
+    spec = f"{assessment.name}=={assessment.raw_version}"
+    env = getattr(tree, "env", None)
+    uv = f"uv pip install --python {env.executable} --reinstall --link-mode=copy --no-deps {spec}" if env else ""
+    state = {FileState.PRISTINE: "holds the release's bytes", FileState.APPLIED: "holds patched bytes"}.get(
+        fa.state, "does not hold the release's bytes")
+    return RefusedError(
+        f"{fa.path} is a symbolic link to {fa.link} (uv --link-mode=symlink?); it {state}, and sm120patch never "
+        "writes through a link (that would change the shared cache)",
+        hint=(f"reinstall with copies: `{uv}`; or " if uv else "") + "pass --force to replace the link by a patched "
+             "regular file (revert puts the link back)",
+    )
+
+
+def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool = False,
+               release: ReleaseBytes | None = None) -> Plan:
     patch_set, manifest = assessment.patch_set, assessment.manifest
     assert patch_set is not None and manifest is not None
-    record_files: dict[str, AppliedFile] = dict(assessment.record.files) if assessment.record else {}
-    planned = []
-    unpinned = bool(assessment.record and assessment.record.unpinned)
+    ledger_files: dict[str, LedgerFile] = dict(assessment.ledger.files) if assessment.ledger else {}
+    planned, adopted = [], []
+    unpinned = assessment.unpinned or bool(assessment.ledger and assessment.ledger.unpinned)
     for relpath in dict.fromkeys(p.file for p in selected):
         fa = assessment.files[relpath]
         wanted_ids = {p.id for p in selected if p.file == relpath} | set(fa.applied)
         wanted = [p for p in patch_set.patches_for(relpath) if p.id in wanted_ids]
-        key = combination_key(wanted)
         expected = manifest.files[relpath]
-        if fa.state is FileState.MISSING or (fa.state is FileState.DRIFTED and not force):
-            raise _drift_refusal(assessment, fa, "patch")
-        if fa.state is FileState.APPLIED and set(fa.applied) == wanted_ids:
+        if fa.read.problem:
+            raise RefusedError(f"refusing to patch {assessment.name}: {fa.path}: {fa.read.problem}",
+                               hint=_reinstall_hint(assessment))
+        if fa.state is FileState.MISSING:
+            raise _refuse_drift(assessment, fa, "patch", release, force_offered=False)
+        if fa.link is not None and not force:
+            raise _refuse_link(assessment, fa)
+        if fa.state is FileState.DRIFTED and not force:
+            raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
+        if fa.state is FileState.APPLIED and set(fa.applied) == wanted_ids and fa.link is None:
+            if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
+                ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
+                                                   origin=Origin.ADOPTED.value)
+                adopted.append(relpath)
             continue
-        current = fa.path.read_bytes()
-        if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, semantically
+        current = fa.read.data
+        if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, by meaning
             data = apply_edits(current, wanted, where=str(fa.path), by_meaning=True)
-            base, unpinned = current, True
-            if data == current:
+            if data == current and fa.link is None:
                 continue
             planned.append(PlannedFile(relpath, fa.path, fa.sha256, sha256(data), data, current,
-                                       tuple(p.id for p in wanted), current))
-            record_files[relpath] = AppliedFile(tuple(p.id for p in wanted), sha256(base), sha256(data))
+                                       tuple(p.id for p in wanted), original=current, replaces_link=fa.link))
+            ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), fa.sha256, sha256(data),
+                                               origin=Origin.FORCED.value, link=fa.link)
+            unpinned = True
             continue
         if fa.state is FileState.PRISTINE:
             pristine, original = current, current
-        else:  # applied with fewer patches: rebuild from the saved original
-            pristine = _saved_original(assessment, fa, expected.pristine, "add patches to")
-            original = None
+        else:  # applied with fewer patches (or a link to patched bytes): rebuild from the release's bytes
+            found = release(relpath, expected.pristine) if release else None
+            if found is None:
+                raise RefusedError(f"cannot add patches to {fa.path}: the release's bytes of it are neither saved by "
+                                   "sm120patch nor in a wheel it can read", hint=_reinstall_hint(assessment)
+                                   + ", or pass --wheel-dir with the release's wheel")
+            pristine, original = found[0], (None if fa.ledger else found[0])
         if assessment.unpinned:  # no manifest: the rewriters' exact site counts are the check
-            data, unpinned = apply_edits(pristine, wanted, where=str(fa.path), by_meaning=True), True
+            data = apply_edits(pristine, wanted, where=str(fa.path), by_meaning=True)
         else:
             data = apply_edits(pristine, wanted, where=str(fa.path))
-            if sha256(data) != expected.patched.get(key):
-                raise PatchDataError(f"{fa.path}: the rewriters produced bytes the vendor manifest does not expect ({key})")
+            if sha256(data) != expected.patched.get(combination_key(wanted)):
+                raise PatchDataError(f"{fa.path}: the rewriters produced bytes the vendor manifest does not expect "
+                                     f"({combination_key(wanted)})")
         planned.append(PlannedFile(relpath, fa.path, fa.sha256, sha256(data), data, current,
-                                   tuple(p.id for p in wanted), original))
-        record_files[relpath] = AppliedFile(tuple(p.id for p in wanted), expected.pristine, sha256(data))
-    record = AppliedRecord(assessment.dist.name, assessment.dist.raw_version, record_files, unpinned,
-                           patch_set.source.name)
-    return Plan(assessment, tuple(planned), record)
+                                   tuple(p.id for p in wanted), original=original, replaces_link=fa.link))
+        ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, sha256(data),
+                                           origin=Origin.SM120PATCH.value if not assessment.unpinned else Origin.FORCED.value,
+                                           link=fa.link or (fa.ledger.link if fa.ledger else None))
+    tree = assessment.tree
+    ledger = Ledger(assessment.name, assessment.raw_version, str(getattr(getattr(tree, "dist", None), "dist_info", "")),
+                    ledger_files, unpinned, patch_set.name) if ledger_files else None
+    return Plan(assessment, tuple(planned), ledger, tuple(adopted))
 
 
-def _saved_original(assessment: DistributionAssessment, fa: FileAssessment, expected: str, verb: str) -> bytes:
-    """The release's bytes sm120patch saved for ``fa``, checked against ``expected``."""
-    saved = assessment.state.original(fa.relpath)
-    data = saved.read_bytes() if saved.exists() else None
-    if data is None or sha256(data) != expected:
-        raise RefusedError(
-            f"cannot {verb} {fa.path}: sm120patch's saved original is missing or corrupt",
-            hint=f"restore it with `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
-        )
-    return data
-
-
-def plan_revert(assessment: DistributionAssessment, *, force: bool = False) -> Plan:
-    record = assessment.record
+def plan_revert(assessment: Assessment, *, force: bool = False, release: ReleaseBytes | None = None) -> Plan:
+    """The bytes sm120patch replaced back in every file it changed, and (with ``force``, or for
+    a file sm120patch has no record of) the release's bytes in every file that is not the
+    release's: from the saved original, else from the release wheel (its hash checked against
+    the installed RECORD)."""
+    ledger = assessment.ledger
     planned = []
     for relpath, fa in assessment.files.items():
-        applied = record.files.get(relpath) if record else None
-        if fa.state is FileState.PRISTINE:
+        entry = ledger.files.get(relpath) if ledger else None
+        if fa.read.problem:
+            raise RefusedError(f"refusing to revert {assessment.name}: {fa.path}: {fa.read.problem}",
+                               hint=_reinstall_hint(assessment))
+        if fa.state is FileState.PRISTINE and fa.link is None and not (entry and entry.link):
             continue
-        if applied is None:
-            if fa.state is FileState.APPLIED:
-                raise RefusedError(
-                    f"{fa.path} is patched, but sm120patch has no record or saved original of it",
-                    hint=f"restore it with `pip install --force-reinstall --no-deps {assessment.dist.name}=={assessment.dist.raw_version}`",
-                )
-            raise _drift_refusal(assessment, fa, "revert")
-        if fa.sha256 != applied.patched and not force:
-            raise _drift_refusal(assessment, fa, "revert")
-        data = _saved_original(assessment, fa, applied.pristine, "revert")
-        current = fa.path.read_bytes()
-        planned.append(PlannedFile(relpath, fa.path, sha256(current), applied.pristine, data, current, (), None))
+        if fa.state is FileState.PRISTINE and entry and entry.link and fa.link == entry.link:
+            continue  # the link is back already
+        if fa.state in (FileState.DRIFTED, FileState.MISSING) and not force:
+            raise _refuse_drift(assessment, fa, "revert", release, force_offered=False)
+        expected = _revert_target(assessment, relpath, entry, force=force)
+        found = release(relpath, expected) if release and expected else None
+        if found is None:
+            raise RefusedError(
+                f"cannot revert {fa.path}: the release's bytes of it are neither saved by sm120patch nor in a wheel "
+                "sm120patch can read",
+                hint=_reinstall_hint(assessment) + ", or pass --wheel-dir with the release's wheel",
+            )
+        data, where = found
+        relink = entry.link if entry and entry.link and _link_holds(fa.path, entry.link, expected) else None
+        planned.append(PlannedFile(relpath, fa.path, fa.sha256, expected, data, fa.read.data, (),
+                                   restore_from=where, relink=relink))
     return Plan(assessment, tuple(planned), None)
+
+
+def _revert_target(assessment: Assessment, relpath: str, entry: LedgerFile | None, *, force: bool) -> str | None:
+    """What revert restores: exactly what sm120patch replaced (its ledger says), else, and with
+    --force always, the release's bytes (the installed RECORD says)."""
+    if entry is not None and not force:
+        return entry.pristine
+    released = assessment.tree.release_sha256(relpath)
+    if released:
+        return released
+    if entry is not None:
+        return entry.pristine
+    return assessment.manifest.files[relpath].pristine if assessment.manifest else None
+
+
+def _link_holds(path: Path, target: str, expected: str) -> bool:
+    """Whether a symlink to ``target`` (as the installer made it) would hold the release's bytes."""
+    resolved = (path.parent / target) if not Path(target).is_absolute() else Path(target)
+    try:
+        return sha256(resolved.read_bytes()) == expected
+    except OSError:
+        return False

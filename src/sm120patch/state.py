@@ -1,141 +1,189 @@
-"""What sm120patch keeps about an environment, outside every RECORD-listed directory.
+"""What sm120patch keeps about an install, beside it and outside every RECORD-listed directory.
 
-    <state root>/                 (see TargetEnvironment.state_root)
-      lock                        one writer per environment at a time
-      <distribution>/
-        applied.json              what is applied: version, patches, hashes per file
-        originals/<relpath>       the release's bytes of each patched file (for revert)
-        journal.json              only while a transaction runs (see transaction.py)
-        stash/<relpath>           a transaction's before-bytes, for rollback
+    <site dir>/.sm120patch/                  the state root of one install location
+      journal.json                           only while a run is changing this location
+      stash/<run>/...                        that run's before-copies, for rollback
+      <name>-<version>.dist-info/            one install (its .dist-info name is its identity)
+        ledger.json                          what sm120patch applied: patches and hashes per file
+        originals/<relpath>                  the release's bytes of each patched file, for revert
+
+The state of an install sits with the install: two ``--target`` directories, or a venv and a
+``--user`` site, never share a ledger, and a reinstall under another version starts clean.
+Everything here is owned like the directory it sits in (so a root run on a service user's
+environment leaves state that user can read and continue), and is mode 0700: the originals
+may be copies of files root owns. ``SM120PATCH_STATE_DIR`` moves every state root under one
+directory (one subdirectory per install location).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from sm120patch.errors import TransactionError
+from sm120patch.hashing import sha256
 
-STATE_DIR_MODE = 0o700  # backups of files root may own: not for other users' eyes or hands
+STATE_DIR_MODE = 0o700
+LEDGER_FORMAT = 2
 
 
 @dataclass(frozen=True)
-class AppliedFile:
+class Owner:
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, path: Path) -> "Owner":
+        info = path.stat()
+        return cls(info.st_uid, info.st_gid)
+
+    def apply(self, path: Path) -> None:
+        """Give ``path`` this owner when sm120patch can (as root); otherwise it is ours already."""
+        if os.geteuid() == 0 and (self.uid, self.gid) != (0, 0):
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+    @property
+    def user(self) -> str:
+        import pwd
+
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return f"uid {self.uid}"
+
+
+def state_root(site_dir: Path) -> Path:
+    override = os.environ.get("SM120PATCH_STATE_DIR")
+    if override:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", str(site_dir)).strip("-")[-80:]
+        return Path(override) / f"{slug}-{sha256(str(site_dir).encode())[:8]}"
+    return site_dir / ".sm120patch"
+
+
+def ensure_dir(path: Path, owner: Owner) -> None:
+    """Create ``path`` and its missing parents (mode 0700, owned by ``owner``); refuse a state
+    directory that other users can write to."""
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=STATE_DIR_MODE)
+        except FileExistsError:
+            continue
+        except PermissionError:
+            raise TransactionError(
+                f"cannot create sm120patch's state directory {directory}: permission denied; nothing was changed",
+                hint=f"run sm120patch as {owner.user}, who owns this environment, or set SM120PATCH_STATE_DIR",
+            ) from None
+        except OSError as exc:
+            raise TransactionError(f"cannot create sm120patch's state directory {directory}: {exc.strerror}; "
+                                   "nothing was changed") from None
+        owner.apply(directory)
+    mode = path.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {path}")
+
+
+@dataclass(frozen=True)
+class LedgerFile:
+    """One file sm120patch changed: which patches, and the release's and the patched hashes."""
+
     patches: tuple[str, ...]
     pristine: str
     patched: str
+    origin: str = "sm120patch"  # sm120patch / adopted (a hand edit equal to the patch) / forced
+    link: str | None = None  # the file was a symlink to this path before sm120patch replaced it
 
 
 @dataclass(frozen=True)
-class AppliedRecord:
+class Ledger:
+    """What is applied to one install (``ledger.json``)."""
+
     distribution: str
     version: str
-    files: Mapping[str, AppliedFile] = field(default_factory=dict)
-    unpinned: bool = False  # applied with --force to bytes no manifest vouches for
-    patch_set: str | None = None  # the patch-set file used (for an unpinned release: borrowed)
+    dist_info: str
+    files: Mapping[str, LedgerFile] = field(default_factory=dict)
+    unpinned: bool = False  # applied by meaning to a release no patch set pins (--force)
+    patch_set: str | None = None
 
     @property
     def patch_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p for f in self.files.values() for p in f.patches))
 
+    def to_bytes(self) -> bytes:
+        document = {
+            "format": LEDGER_FORMAT,
+            "distribution": self.distribution,
+            "version": self.version,
+            "dist_info": self.dist_info,
+            "unpinned": self.unpinned,
+            "patch_set": self.patch_set,
+            "files": {
+                rel: {"patches": list(f.patches), "pristine": f.pristine, "patched": f.patched,
+                      "origin": f.origin, "link": f.link}
+                for rel, f in sorted(self.files.items())
+            },
+        }
+        return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: Path) -> "Ledger":
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != LEDGER_FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}, this sm120patch reads {LEDGER_FORMAT}")
+            return cls(
+                distribution=doc["distribution"], version=doc["version"], dist_info=doc["dist_info"],
+                unpinned=bool(doc.get("unpinned", False)), patch_set=doc.get("patch_set"),
+                files={rel: LedgerFile(tuple(f["patches"]), f["pristine"], f["patched"], f.get("origin", "sm120patch"),
+                                       f.get("link")) for rel, f in doc["files"].items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise TransactionError(
+                f"{where} is unreadable ({exc})",
+                hint=f"move it aside (`mv {where} {where}.bad`); sm120patch then judges files by their hashes alone",
+            ) from None
+
 
 @dataclass(frozen=True)
-class DistributionState:
-    root: Path  # <state root>/<distribution>
+class InstallState:
+    """sm120patch's state for one install (one ``.dist-info``)."""
+
+    root: Path  # <state root>/<dist-info name>
+
+    @classmethod
+    def for_install(cls, site_dir: Path, dist_info: Path) -> "InstallState":
+        return cls(state_root(site_dir) / dist_info.name)
 
     @property
-    def applied_path(self) -> Path:
-        return self.root / "applied.json"
-
-    @property
-    def journal_path(self) -> Path:
-        return self.root / "journal.json"
+    def ledger_path(self) -> Path:
+        return self.root / "ledger.json"
 
     def original(self, relpath: str) -> Path:
         return self.root / "originals" / relpath
 
-    def stash(self, relpath: str) -> Path:
-        return self.root / "stash" / relpath
-
-    def read_applied(self) -> AppliedRecord | None:
+    def read_ledger(self) -> Ledger | None:
         try:
-            doc = json.loads(self.applied_path.read_text(encoding="utf-8"))
-            return AppliedRecord(
-                distribution=doc["distribution"],
-                version=doc["version"],
-                unpinned=bool(doc.get("unpinned", False)),
-                patch_set=doc.get("patch_set"),
-                files={
-                    rel: AppliedFile(tuple(f["patches"]), f["pristine"], f["patched"])
-                    for rel, f in doc["files"].items()
-                },
-            )
+            data = self.ledger_path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise TransactionError(
-                f"{self.applied_path} is unreadable ({exc})",
-                hint="move it aside; `sm120patch status` then judges files by their hashes alone",
-            ) from None
+        except PermissionError:
+            raise TransactionError(f"{self.ledger_path} is not readable by this user (uid {os.geteuid()})",
+                                   hint=f"run sm120patch as the owner of {self.root}") from None
+        return Ledger.from_bytes(data, self.ledger_path)
 
-
-def applied_document(record: AppliedRecord) -> dict:
-    return {
-        "distribution": record.distribution,
-        "version": record.version,
-        "unpinned": record.unpinned,
-        "patch_set": record.patch_set,
-        "files": {
-            rel: {"patches": list(f.patches), "pristine": f.pristine, "patched": f.patched}
-            for rel, f in sorted(record.files.items())
-        },
-    }
-
-
-def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) and refuse one that other users could write to."""
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
-    except PermissionError:
-        raise TransactionError(
-            f"cannot create sm120patch's state directory {path}: permission denied; nothing was changed",
-            hint="run sm120patch as the user who owns this environment, or set SM120PATCH_STATE_DIR",
-        ) from None
-    except OSError as exc:
-        raise TransactionError(f"cannot create sm120patch's state directory {path}: {exc.strerror}; nothing was changed") from None
-    mode = path.stat().st_mode
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise TransactionError(
-            f"state directory {path} is writable by other users",
-            hint=f"chmod go-w {path}",
-        )
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_journal(state: DistributionState) -> dict | None:
-    try:
-        doc = json.loads(state.journal_path.read_text(encoding="utf-8"))
-        for entry in doc["files"]:
-            entry["relpath"], entry["path"], entry["before"]  # noqa: B018 - shape check
-        doc["operation"]
-        return doc
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TransactionError(
-            f"the journal {state.journal_path} of an interrupted sm120patch run is unreadable ({exc}); "
-            "nothing was changed",
-            hint="`sm120patch status` shows each file's state by its hash; if every file is pristine or "
-            "patched, remove the journal; otherwise reinstall the package with pip",
-        ) from None
+    def saved_original(self, relpath: str, expected: str) -> bytes | None:
+        """The saved release bytes of ``relpath`` when they hash to ``expected``."""
+        try:
+            data = self.original(relpath).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        return data if sha256(data) == expected else None

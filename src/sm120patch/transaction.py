@@ -1,46 +1,62 @@
-"""Every write to a user's environment goes through here: one lock per environment, a
-journal written before the first change, the before-bytes stashed and checked, each file
-replaced atomically, and on any failure (or on the next run, after a kill) a rollback to the
-state before the transaction.
+"""Every write to a user's environment goes through one :class:`Transaction` per run, in pip's
+shape: ``begin`` (write-ahead journal) -> changes, each with its before-state stashed ->
+read-back check -> ``commit`` (the journal's removal is the commit point) | ``rollback``.
 
-The pattern is pip's uninstall stash: ``stash -> replace -> commit | rollback``, with the
-journal on disk so that a process killed mid-way is rolled back by the next one.
+- A file is never written in place: new bytes go to a temporary file beside it (fsynced,
+  given the old file's mode and owner) that is renamed over it. A uv hardlink shares its
+  inode with uv's cache; the rename gives the environment a new inode and leaves the cache's
+  untouched. A symbolic link is replaced, never written through.
+- The before-state is stashed as a hard link (no new disk space, same inode, mode and owner),
+  so rolling back is a rename: it works on a full disk. Where a hard link cannot be made
+  (another file system), a copy is stashed instead.
+- FlashInfer's stale JIT entries are moved aside (a rename), restored on rollback, deleted
+  only after the commit point.
+- The journal lists every change before the first one; a run killed at any point is rolled
+  back by the next run (or finished, when every change had already been made). One run is one
+  transaction across every distribution it touches; when those live in several install
+  locations, one journal is primary and the others point to it.
+
+The journal is one versioned type, written and read only here.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import stat
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from sm120patch.errors import TransactionError
-from sm120patch.state import AppliedRecord, DistributionState, applied_document, ensure_private_dir, fsync_dir, read_journal
+from sm120patch.hashing import sha256
+from sm120patch.state import Owner, ensure_dir, state_root
 
+JOURNAL_FORMAT = 2
 LOCK_TIMEOUT_S = 10.0
-JOURNAL_FORMAT = 1
+REVERT_FORCE = "sm120patch revert --force"  # callers name the target: revert_command="... --python P"
+ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
 
 
-def sha256_file(path: Path) -> str | None:
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return None
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode
-    and owner, ``os.replace`` it over ``path`` and fsync the directory."""
+def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode and
+    owner (else ``owner``), ``os.replace`` it over ``path`` and fsync the directory."""
     tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
     try:
         try:
             view = memoryview(data)
@@ -49,10 +65,7 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None)
             os.fsync(fd)
         finally:
             os.close(fd)
-        if like is not None:
-            os.chmod(tmp, stat.S_IMODE(like.st_mode))
-            if os.geteuid() == 0:
-                os.chown(tmp, like.st_uid, like.st_gid)
+        _take_attributes(tmp, like, owner)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -60,13 +73,46 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None)
     fsync_dir(path.parent)
 
 
+def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
+    if like is not None:
+        os.chmod(path, stat.S_IMODE(like.st_mode))
+        if os.geteuid() == 0:
+            os.chown(path, like.st_uid, like.st_gid)
+    elif owner is not None:
+        owner.apply(path)
+
+
+# -- what a path holds: the before- and after-states the journal records ----------------------
+
+def describe(path: Path) -> dict:
+    """{"type": "missing"} | {"type": "link", "target": ...} | {"type": "file", "sha256": ...}"""
+    if path.is_symlink():
+        return {"type": "link", "target": os.readlink(path)}
+    try:
+        return {"type": "file", "sha256": sha256(path.read_bytes())}
+    except FileNotFoundError:
+        return {"type": "missing"}
+    except IsADirectoryError:
+        return {"type": "directory"}
+
+
+# -- locks ------------------------------------------------------------------------------------
+
 @contextmanager
-def environment_lock(state_root: Path, *, timeout: float = LOCK_TIMEOUT_S,
-                     on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """One sm120patch writer per environment: wait up to ``timeout`` seconds, then fail."""
-    ensure_private_dir(state_root)
-    lock_path = state_root / "lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], None] | None,
+          busy: str, hint: str, create: bool = False, owner: Owner | None = None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (a directory, or a lock file created when
+    ``create``); say once that it waits, give up after ``timeout`` seconds."""
+    try:
+        if create and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if owner is not None:
+                owner.apply(path)
+        else:  # an flock needs no write access: a lock file another user made works as well
+            fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
     try:
         deadline = time.monotonic() + timeout
         told = False
@@ -77,187 +123,482 @@ def environment_lock(state_root: Path, *, timeout: float = LOCK_TIMEOUT_S,
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             if time.monotonic() >= deadline:
-                raise TransactionError(
-                    f"another sm120patch (pid {holder}) is changing this environment; "
-                    f"gave up after {timeout:.0f} s",
-                    hint="run again when it has finished",
-                )
+                raise TransactionError(f"{busy}; gave up after {timeout:.0f} s; nothing was changed", hint=hint)
             if on_wait and not told:
-                on_wait(f"waiting for another sm120patch (pid {holder}) to finish ...")
+                on_wait(f"waiting: {busy} ...")
                 told = True
             time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
+                  timeout: float = LOCK_TIMEOUT_S) -> ExitStack:
+    """One sm120patch writer per install location at a time: an flock on the directory itself
+    (nothing to create, nothing left behind), taken in path order so two runs never deadlock."""
+    stack = ExitStack()
+    try:
+        for site_dir in sorted(set(site_dirs)):
+            stack.enter_context(flock(
+                site_dir, what="install location", timeout=timeout, on_wait=on_wait,
+                busy=f"another sm120patch is changing {site_dir}",
+                hint="run again when it has finished"))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def someone_holds(site_dir: Path) -> bool:
+    """Whether an sm120patch run is changing ``site_dir`` right now (a status must not call
+    its journal an interrupted run)."""
+    try:
+        fd = os.open(site_dir, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
     finally:
         os.close(fd)
+
+
+# -- changes ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Change:
+    """One journaled change.
+
+    - ``write``: ``path`` gets ``data`` (mode and owner of the file it replaces, else ``owner``);
+    - ``restore``: ``path`` gets the file at ``source`` (a saved original: hard-linked, so no
+      new space is needed, else copied);
+    - ``symlink``: ``path`` becomes a symbolic link to ``target`` (a uv link put back);
+    - ``remove``: ``path`` goes;
+    - ``aside``: the directory ``path`` (a JIT entry) is moved aside, deleted after commit.
+    """
+
+    op: str
+    path: Path
+    root: Path  # the state root of the install location it belongs to (its stash goes there)
+    data: bytes | None = None
+    source: Path | None = None
+    target: str | None = None
+    owner: Owner | None = None
+    label: str = ""  # what the change is, for messages (a RECORD path, "ledger", ...)
+
+    def after(self) -> dict:
+        if self.op == "write":
+            return {"type": "file", "sha256": sha256(self.data)}
+        if self.op == "restore":
+            return {"type": "file", "sha256": sha256(self.source.read_bytes())}
+        if self.op == "symlink":
+            return {"type": "link", "target": self.target}
+        return {"type": "missing"}
+
+
+@dataclass
+class Recovery:
+    """What a run found and did about a transaction an earlier run left behind."""
+
+    operation: str
+    restored: tuple[str, ...]
+    finished: bool = False  # every change had been made: the run was completed, not rolled back
+    started: str = ""
+
+
+@dataclass
+class Transaction:
+    """The changes of one run, over the install locations they touch."""
+
+    operation: str
+    roots: list[Path]  # state roots, one per install location; roots[0] holds the journal
+    owners: dict[Path, Owner]
+    changes: list[Change] = field(default_factory=list)
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    entries: list[dict] = field(default_factory=list)
+    revert_command: str = REVERT_FORCE
+
+    @property
+    def journal(self) -> Path:
+        return self.roots[0] / "journal.json"
+
+    def stash_dir(self, root: Path) -> Path:
+        return root / "stash" / self.run
+
+    # -- begin ---------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Pre-flight, then the write-ahead journal: nothing in the environment has changed
+        until this returns."""
+        check_writable([c.path for c in self.changes])
+        for root in self.roots:
+            ensure_dir(root, self.owners[root])
+        for change in self.changes:
+            if change.op in ("write", "restore", "symlink") and change.path.is_relative_to(change.root):
+                ensure_dir(change.path.parent, self.owners[change.root])
+        self.entries = []
+        for index, change in enumerate(self.changes):
+            root = change.root
+            entry = {"op": change.op, "path": str(change.path), "label": change.label,
+                     "before": describe(change.path), "after": change.after()}
+            if change.op == "aside":
+                entry["aside"] = str(aside_path(change.path, self.run))
+            elif entry["before"]["type"] != "missing":
+                entry["stash"] = str(self.stash_dir(root) / str(index))
+            self.entries.append(entry)
+        document = {"format": JOURNAL_FORMAT, "operation": self.operation, "run": self.run, "pid": os.getpid(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "roots": [str(r) for r in self.roots],
+                    "entries": self.entries}
+        atomic_write(self.journal, _dump(document), owner=self.owners[self.roots[0]])
+        for root in self.roots[1:]:
+            atomic_write(root / "journal.json", _dump({"format": JOURNAL_FORMAT, "primary": str(self.journal),
+                                                       "run": self.run}), owner=self.owners[root])
+
+    # -- the changes ---------------------------------------------------------------------------
+    def apply(self) -> None:
+        for change, entry in zip(self.changes, self.entries):
+            if change.op == "aside":
+                os.rename(change.path, entry["aside"])
+                continue
+            if "stash" in entry:
+                stash = Path(entry["stash"])
+                ensure_dir(stash.parent, self.owners[change.root])
+                _stash(change.path, stash)
+            if change.op == "write":
+                like = change.path.stat() if change.path.exists() and not change.path.is_symlink() else None
+                if change.path.is_symlink():  # replace the link itself, never write through it
+                    change.path.unlink()
+                atomic_write(change.path, change.data, like=like, owner=change.owner)
+            elif change.op == "restore":
+                _place(change.source, change.path)
+            elif change.op == "symlink":
+                tmp = change.path.with_name(f".{change.path.name}.sm120patch-{os.getpid()}.link")
+                tmp.unlink(missing_ok=True)
+                os.symlink(change.target, tmp)
+                os.replace(tmp, change.path)
+                fsync_dir(change.path.parent)
+            elif change.op == "remove":
+                change.path.unlink(missing_ok=True)
+                fsync_dir(change.path.parent)
+
+    def verify(self) -> None:
+        """Read every changed path back before the commit point."""
+        for change, entry in zip(self.changes, self.entries):
+            now = describe(change.path)
+            if change.op == "aside":
+                ok = now["type"] == "missing" and Path(entry["aside"]).is_dir()
+            else:
+                ok = now == entry["after"]
+            if not ok:
+                raise TransactionError(f"{change.path} does not hold what sm120patch wrote to it")
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self) -> None:
+        self.journal.unlink()  # the commit point
+        fsync_dir(self.journal.parent)
+        for root in self.roots[1:]:
+            (root / "journal.json").unlink(missing_ok=True)
+        self._cleanup()
+        for root in self.roots:
+            prune(root)
+
+    def _cleanup(self) -> None:
+        # Asides first, stash last: a run killed here leaves its stash/<run> directory, which
+        # is how the next run finds (by the run id in their names) the asides still to delete.
+        for entry in self.entries:
+            if entry["op"] == "aside":
+                shutil.rmtree(entry["aside"], ignore_errors=True)
+        for root in self.roots:
+            shutil.rmtree(self.stash_dir(root), ignore_errors=True)
+
+    def run_all(self) -> None:
+        """begin -> changes -> read-back -> commit; on any failure (Ctrl-C too) roll back."""
+        try:
+            self.begin()
+        except BaseException as exc:
+            # Nothing in the environment changed yet; take back what begin made for itself
+            # (a journal already written, the state directories it created).
+            if self.journal.exists():
+                rollback(self.journal, revert_command=self.revert_command)
+            for root in self.roots:
+                prune(root)
+            if isinstance(exc, OSError):
+                raise TransactionError(f"{self.operation} failed before changing anything: {_what(exc)}; "
+                                       "nothing was changed") from exc
+            raise
+        try:
+            self.apply()
+            self.verify()
+        except BaseException as exc:
+            try:
+                restored = rollback(self.journal, revert_command=self.revert_command)
+            except TransactionError as failed:
+                raise TransactionError(f"{self.operation} failed ({_what(exc)}), and rolling back failed too: "
+                                       f"{failed.message}", hint=failed.hint) from exc
+            if isinstance(exc, (OSError, TransactionError)):
+                raise TransactionError(f"{self.operation} failed: {_what(exc)}; rolled back "
+                                       f"{len(restored)} change(s), the environment is as it was") from exc
+            raise
+        self.commit()
+
+
+def _what(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror or exc}{where}"
+    if isinstance(exc, TransactionError):
+        return exc.message
+    return type(exc).__name__
+
+
+def _dump(document: dict) -> bytes:
+    return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+
+
+def aside_path(entry: Path, run: str) -> Path:
+    return entry.with_name(f".{entry.name}{ASIDE_TAG}{run}")
+
+
+def _stash(path: Path, stash: Path) -> None:
+    """Keep ``path``'s current entry at ``stash``: a hard link (the same inode: no new space,
+    the same mode and owner), else a copy (another file system)."""
+    try:
+        os.link(path, stash, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        if path.is_symlink():
+            os.symlink(os.readlink(path), stash)
+        else:
+            shutil.copy2(path, stash)
+            info = path.stat()
+            if os.geteuid() == 0:
+                os.chown(stash, info.st_uid, info.st_gid)
+            fd = os.open(stash, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(stash.parent)
+
+
+def _place(source: Path, path: Path) -> None:
+    """Put the file at ``source`` at ``path``, atomically: a hard link renamed over it (no new
+    space), else a copy."""
+    tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copy2(source, tmp, follow_symlinks=False)
+    try:
+        if path.is_symlink():
+            path.unlink()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def prune(directory: Path) -> None:
+    """Remove empty directories under and including ``directory`` (state left after a revert)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for child in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if child.is_dir() and not child.is_symlink():
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
 
 
 def check_writable(paths: Sequence[Path]) -> None:
     """Refuse before the first change when a file or its directory cannot be written (a
     read-only file system, another user's environment)."""
     for path in paths:
-        for target in (path, path.parent):
-            if os.access(target, os.W_OK):
+        targets = [path.parent] + ([path] if path.exists() and not path.is_symlink() else [])
+        for target in targets:
+            probe = target
+            while not probe.exists():
+                probe = probe.parent
+            if os.access(probe, os.W_OK):
                 continue
-            if os.statvfs(target).f_flag & os.ST_RDONLY:
+            if os.statvfs(probe).f_flag & os.ST_RDONLY:
                 reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
             else:
                 reason = "permission denied"
-                hint = f"run sm120patch as the user who owns this environment (uid {target.stat().st_uid}), e.g. with sudo"
-            raise TransactionError(f"cannot write {target}: {reason}; nothing was changed", hint=hint)
+                owner = Owner.of(probe)
+                hint = f"run sm120patch as {owner.user}, who owns it"
+            raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint)
 
 
-@dataclass(frozen=True)
-class FileChange:
-    """Replace ``path`` (``relpath`` in its distribution), whose bytes now hash to ``before``,
-    by ``data`` (hashing to ``after``)."""
+# -- journals left behind ---------------------------------------------------------------------------
 
-    relpath: str
-    path: Path
-    before: str
-    after: str
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """What the next run found and did after an interrupted transaction."""
-
-    operation: str
-    restored: tuple[str, ...]
-
-
-def _write_json(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
-
-
-class Transaction:
-    """Apply ``changes`` to one distribution and record ``new_record`` as what is applied.
-
-    ``originals`` maps a relpath to the release's bytes, to keep (first patch of a file) or
-    ``None`` to drop after commit (revert)."""
-
-    def __init__(
-        self,
-        state: DistributionState,
-        *,
-        operation: str,
-        changes: Sequence[FileChange],
-        new_record: AppliedRecord | None,
-        keep_originals: dict[str, bytes] | None = None,
-        drop_originals: Sequence[str] = (),
-    ) -> None:
-        self.state = state
-        self.operation = operation
-        self.changes = list(changes)
-        self.new_record = new_record
-        self.keep_originals = keep_originals or {}
-        self.drop_originals = list(drop_originals)
-
-    def run(self) -> None:
-        check_writable([c.path for c in self.changes])
-        ensure_private_dir(self.state.root)
-        previous = self.state.applied_path.read_bytes() if self.state.applied_path.exists() else None
-        _write_json(
-            self.state.journal_path,
-            {
-                "format": JOURNAL_FORMAT,
-                "operation": self.operation,
-                "pid": os.getpid(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "applied_before": previous.decode() if previous is not None else None,
-                "files": [
-                    {"relpath": c.relpath, "path": str(c.path), "before": c.before, "after": c.after}
-                    for c in self.changes
-                ],
-            },
-        )
-        try:
-            for change in self.changes:
-                current = change.path.read_bytes()
-                if hashlib.sha256(current).hexdigest() != change.before:
-                    raise TransactionError(f"{change.path} changed while sm120patch was working; nothing was changed")
-                stash = self.state.stash(change.relpath)
-                stash.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(stash, current)
-            for relpath, data in self.keep_originals.items():
-                original = self.state.original(relpath)
-                original.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(original, data)
-            for change in self.changes:
-                atomic_write(change.path, change.data, like=change.path.stat())
-            if self.new_record is not None and self.new_record.files:
-                _write_json(self.state.applied_path, applied_document(self.new_record))
-            else:
-                self.state.applied_path.unlink(missing_ok=True)
-        except BaseException as exc:
-            restored = rollback(self.state)
-            if isinstance(exc, OSError):
-                raise TransactionError(
-                    f"{self.operation} failed: {exc.strerror or exc} ({getattr(exc, 'filename', '') or ''}); "
-                    f"rolled back {len(restored)} file(s), the environment is as it was"
-                ) from exc
-            raise
-        # Commit point: once the journal is gone, the new state stands.
-        self.state.journal_path.unlink()
-        fsync_dir(self.state.root)
-        shutil.rmtree(self.state.root / "stash", ignore_errors=True)
-        for relpath in self.drop_originals:
-            original = self.state.original(relpath)
-            original.unlink(missing_ok=True)
-            _prune_empty_dirs(original.parent, stop=self.state.root)
+def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> dict | None:
+    """The journal at ``path`` (following a pointer to its primary), or None. A pointer whose
+    primary is gone belonged to a run that committed: it is removed."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc, revert_command) from None
+    if isinstance(document, dict) and "primary" in document:
+        primary = Path(document["primary"])
+        if not primary.exists():
+            path.unlink(missing_ok=True)
+            return None
+        return read_journal(primary, revert_command=revert_command)
+    try:
+        if document["format"] != JOURNAL_FORMAT:
+            raise ValueError(f"format {document['format']!r}, this sm120patch reads {JOURNAL_FORMAT}")
+        for entry in document["entries"]:
+            entry["op"], entry["path"], entry["before"], entry["after"]  # noqa: B018 - shape check
+        document["operation"], document["roots"]  # noqa: B018
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _unreadable(path, exc, revert_command) from None
+    document["_path"] = str(path)
+    return document
 
 
-def _prune_empty_dirs(directory: Path, *, stop: Path) -> None:
-    while directory != stop and directory.is_relative_to(stop):
-        try:
-            directory.rmdir()
-        except OSError:  # not empty (or gone): done
-            return
-        directory = directory.parent
+def _unreadable(path: Path, exc: Exception, revert_command: str) -> TransactionError:
+    return TransactionError(
+        f"the journal {path} of an interrupted sm120patch run is unreadable ({exc}); nothing was changed",
+        hint=f"`{revert_command}` restores every file to the release's bytes and removes the journal",
+    )
 
 
-def rollback(state: DistributionState) -> tuple[str, ...]:
-    """Undo the journaled transaction: every file back to its stashed before-bytes, the
-    applied record as it was; then drop the journal. Returns the relpaths restored."""
-    journal = read_journal(state)
+def journal_at(site_dir: Path) -> Path:
+    return state_root(site_dir) / "journal.json"
+
+
+def rollback(journal_path: Path, *, revert_command: str = REVERT_FORCE) -> tuple[str, ...]:
+    """Undo the journaled transaction, in reverse: each path back to its before-state from its
+    stash, each JIT entry back in place; then drop the journal(s). Idempotent. When a path can
+    no longer be restored but every change had been made, the run is finished instead (the
+    environment is then wholly in its after-state). Returns the labels restored."""
+    journal = read_journal(journal_path, revert_command=revert_command)
     if journal is None:
         return ()
+    entries = journal["entries"]
+    at_after = all(_at_after(entry) for entry in entries)
+    # First decide, then act: either every path can go back to its before-state, or (every
+    # change having been made) the run is finished as it stands; never half of each.
+    stuck = [Path(e["path"]) for e in entries if e["op"] != "aside" and not _restorable(e)]
+    if stuck and not at_after:
+        raise TransactionError(
+            f"cannot roll back the interrupted {journal['operation']} of {journal.get('started', '?')}: "
+            f"{', '.join(map(str, stuck))} {'is' if len(stuck) == 1 else 'are'} neither what {'it was' if len(stuck) == 1 else 'they were'} "
+            "nor what that run wrote, and the copy it stashed is gone",
+            hint=f"`{revert_command}` restores every file to the release's bytes (from the saved originals "
+                 "or the release wheel) and removes the journal",
+        )
     restored = []
-    for entry in journal["files"]:
+    for entry in reversed(entries) if not stuck else ():
         path = Path(entry["path"])
-        if sha256_file(path) == entry["before"]:
+        if entry["op"] == "aside":
+            aside = Path(entry["aside"])
+            if aside.is_dir() and not path.exists():
+                os.rename(aside, path)
+                restored.append(entry["label"] or str(path))
             continue
-        stash = state.stash(entry["relpath"])
-        data = stash.read_bytes() if stash.exists() else None
-        if data is None or hashlib.sha256(data).hexdigest() != entry["before"]:
-            raise TransactionError(
-                f"cannot roll back {path}: its stashed copy is missing or corrupt",
-                hint="reinstall the package with pip (--force-reinstall --no-deps) to restore it",
-            )
-        atomic_write(path, data, like=path.stat() if path.exists() else None)
-        restored.append(entry["relpath"])
-    if journal.get("applied_before") is not None:
-        atomic_write(state.applied_path, journal["applied_before"].encode())
-    else:
-        state.applied_path.unlink(missing_ok=True)
-    state.journal_path.unlink()
-    fsync_dir(state.root)
-    shutil.rmtree(state.root / "stash", ignore_errors=True)
+        before = entry["before"]
+        if describe(path) == before:
+            continue
+        if before["type"] == "missing":
+            path.unlink(missing_ok=True)
+            fsync_dir(path.parent)
+        else:
+            stash = Path(entry["stash"])
+            if _same_fs(stash, path):
+                os.replace(stash, path)
+            else:
+                _place(stash, path)
+            fsync_dir(path.parent)
+        restored.append(entry["label"] or str(path))
+    _drop_journals(journal)
     return tuple(restored)
 
 
-def recover(state: DistributionState) -> Recovery | None:
-    """Roll back a transaction a previous run left behind (killed, power loss)."""
-    journal = read_journal(state)
-    if journal is None:
-        return None
-    return Recovery(operation=journal["operation"], restored=rollback(state))
+def _restorable(entry: dict) -> bool:
+    before = entry["before"]
+    if before["type"] == "missing" or describe(Path(entry["path"])) == before:
+        return True
+    return "stash" in entry and describe(Path(entry["stash"])) == before
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.parent.stat().st_dev
+    except OSError:
+        return False
+
+
+def _at_after(entry: dict) -> bool:
+    if entry["op"] == "aside":
+        return not Path(entry["path"]).exists()
+    return describe(Path(entry["path"])) == entry["after"]
+
+
+def _drop_journals(journal: dict) -> None:
+    primary = Path(journal["_path"])
+    primary.unlink(missing_ok=True)
+    roots = [Path(r) for r in journal["roots"]]
+    for root in roots:
+        (root / "journal.json").unlink(missing_ok=True)
+        shutil.rmtree(root / "stash" / journal["run"], ignore_errors=True)
+        try:
+            (root / "stash").rmdir()
+        except OSError:
+            pass
+    for entry in journal["entries"]:
+        if entry["op"] == "aside":
+            shutil.rmtree(entry["aside"], ignore_errors=True)
+    for root in roots:  # the directories the rolled-back run made for its state, if now empty
+        prune(root)
+
+
+def recover(site_dirs: Sequence[Path], *, force: bool = False, revert_command: str = REVERT_FORCE) -> Recovery | None:
+    """Roll back (or finish) a transaction an earlier run left in any of ``site_dirs``. With
+    ``force`` (revert --force), a journal that cannot be rolled back is dropped: the revert
+    that follows restores the release's bytes of every file anyway."""
+    for site_dir in sorted(set(site_dirs)):
+        path = journal_at(site_dir)
+        try:
+            journal = read_journal(path, revert_command=revert_command)
+        except TransactionError:
+            if not force:
+                raise
+            path.unlink(missing_ok=True)
+            return Recovery("unknown", (), finished=False)
+        if journal is None:
+            continue
+        finished = all(_at_after(entry) for entry in journal["entries"])
+        try:
+            restored = rollback(path, revert_command=revert_command)
+        except TransactionError:
+            if not force:
+                raise
+            _drop_journals(journal)
+            restored = ()
+        return Recovery(journal["operation"], restored, finished=finished and not restored, started=journal.get("started", ""))
+    return None
+
+
+def leftover_runs(site_dir: Path) -> list[Path]:
+    """Stash directories no journal refers to: runs killed after their commit point, before
+    they had cleaned up (their JIT asides carry the same run id)."""
+    root = state_root(site_dir)
+    if (root / "journal.json").exists() or not (root / "stash").is_dir():
+        return []
+    return sorted(p for p in (root / "stash").iterdir() if p.is_dir())

@@ -22,28 +22,34 @@ from pathlib import Path
 from typing import Callable
 
 from sm120patch import ptx
-from sm120patch.actions import DistributionStatus
-from sm120patch.errors import Sm120PatchError
-from sm120patch.plan import FileState, PatchState
+from sm120patch.assess import FileState, PatchState
+from sm120patch.errors import ExitCode, Sm120PatchError
+from sm120patch.pipeline import StatusReport, TreeStatus
 from sm120patch.semantics import CHECKS
 
-RUNTIME_ARCH_LIST = "12.0a"
 PTX_ARCHS = ("120a", "90a", "100a")
-HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    kind: str  # static / semantic / runtime / compile
+    kind: str  # static / semantic / runtime / compile / build
     subject: str
-    ok: bool | None  # None: skipped
+    ok: bool | None  # None: it could not run (the detail says what it needs)
     detail: str
+    required: bool = True  # a check that could not run fails verify, unless it is only informative
 
 
-def static_checks(status: DistributionStatus) -> list[CheckResult]:
-    a = status.assessment
+def verify_exit_code(results) -> ExitCode:
+    """0 only when every check ran and passed: a check the user asked for that could not run
+    does not pass."""
+    counted = [r for r in results if r.required or r.ok is False]
+    return ExitCode.OK if counted and all(r.ok for r in counted) else ExitCode.NOT_OK
+
+
+def static_checks(item: TreeStatus) -> list[CheckResult]:
+    a = item.assessment
     if a.patch_set is None:
-        return [CheckResult("static", a.dist.name, None if a.fixed_upstream else False, a.reason)]
+        return [CheckResult("static", a.name, True if a.fixed_upstream else False, a.reason)]
     results = []
     for patch in a.patch_set.patches:
         state = a.patch_state(patch)
@@ -51,48 +57,63 @@ def static_checks(status: DistributionStatus) -> list[CheckResult]:
             continue  # an opt-in patch nobody asked for
         fa = a.files[patch.file]
         results.append(CheckResult(
-            "static", f"{a.dist.name} {patch.id}", state is PatchState.APPLIED,
+            "static", f"{a.name} {patch.id}", state is PatchState.APPLIED,
             f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is PatchState.APPLIED else ""),
         ))
-        semantic = CHECKS.get(patch.id)
-        if semantic is not None and fa.state is not FileState.MISSING:
+        if fa.state is not FileState.MISSING and fa.read.data is not None:
             try:
-                ok, detail = semantic(fa.path.read_text(encoding="utf-8"))
-            except (OSError, SyntaxError, ValueError) as exc:
-                ok, detail = False, f"cannot read {patch.file} ({exc})"
-            results.append(CheckResult("semantic", f"{a.dist.name} {patch.id}", ok, detail))
+                ok, detail = CHECKS[patch.check](fa.read.data.decode("utf-8"))
+            except (SyntaxError, ValueError) as exc:
+                ok, detail = False, f"cannot parse {patch.file} ({exc})"
+            results.append(CheckResult("semantic", f"{a.name} {patch.id}", ok, detail))
     return results
 
 
-def runtime_checks(python: Path, *, with_sglang: bool) -> list[CheckResult]:
-    script = (Path(__file__).with_name("_runtime_probe.py")).read_text(encoding="utf-8")
-    env = dict(os.environ, FLASHINFER_CUDA_ARCH_LIST=RUNTIME_ARCH_LIST)
-    proc = subprocess.run(
-        [str(python), "-c", script, *(["sglang"] if with_sglang else [])],
-        capture_output=True, text=True, env=env, cwd="/", timeout=600,
-    )
-    try:
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return [CheckResult("runtime", "flashinfer-python", False, f"the runtime probe failed: {tail}")]
+def runtime_checks(python: Path, items: list[TreeStatus]) -> list[CheckResult]:
+    """Each distribution's own JIT spec (asked for SM120) and an import of each of its patched
+    Python modules, in the target interpreter, in a temporary JIT workspace: a check leaves no
+    trace in the cache it checks (importing FlashInfer writes a log there)."""
+    script = Path(__file__).with_name("_runtime_probe.py").read_text(encoding="utf-8")
     results = []
-    fi = out["flashinfer"]
-    subject = f"flashinfer gen_trtllm_comm_module() with FLASHINFER_CUDA_ARCH_LIST={RUNTIME_ARCH_LIST}"
-    if "skipped" in fi:
-        results.append(CheckResult("runtime", subject, None, fi["skipped"]))
-    elif "error" in fi:
-        results.append(CheckResult("runtime", subject, False, f"raises {fi['error']}"))
-    else:
-        targets = [f for f in fi["flags"] if f.startswith("-gencode=")]
-        results.append(CheckResult("runtime", subject, any("sm_120a" in f for f in targets), "nvcc targets: " + " ".join(targets)))
-    sg = out.get("sglang")
-    if sg is not None:
-        if "skipped" in sg:
-            results.append(CheckResult("runtime", "sglang communicator import", None, sg["skipped"]))
-        else:
-            results.append(CheckResult("runtime", "sglang communicator import", sg["has_sm120_flag"],
-                                       "module has _is_sm120_supported" if sg["has_sm120_flag"] else "no SM120 flag"))
+    for item in items:
+        spec = item.distribution.verify
+        a = item.assessment
+        files = a.patch_set.files if a.patch_set else ()
+        modules = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in files if f.endswith(".py")
+                   and not (spec.jit_spec and f[:-3].replace("/", ".") == spec.jit_spec.split(":")[0])]
+        request = {"jit_spec": spec.jit_spec, "modules": modules}
+        with tempfile.TemporaryDirectory(prefix="sm120patch-runtime-") as workspace:
+            env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=workspace)
+            if spec.arch_list:
+                env["FLASHINFER_CUDA_ARCH_LIST"] = spec.arch_list
+            proc = subprocess.run([str(python), "-c", script, json.dumps(request)],
+                                  capture_output=True, text=True, env=env, cwd="/", timeout=600)
+        try:
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            results.append(CheckResult("runtime", a.name, False, f"the runtime probe failed: {tail}"))
+            continue
+        if spec.jit_spec:
+            found = out["jit_spec"]
+            subject = f"{spec.jit_spec}() with FLASHINFER_CUDA_ARCH_LIST={spec.arch_list}"
+            if "skipped" in found:
+                results.append(CheckResult("runtime", subject, None, found["skipped"] + "; install torch (and "
+                                           f"{a.name}'s dependencies) in that environment to run this check"))
+            elif "error" in found:
+                results.append(CheckResult("runtime", subject, False, f"raises {found['error']}"))
+            else:
+                targets = [f for f in found["flags"] if f.startswith("-gencode=")]
+                results.append(CheckResult("runtime", subject, any(spec.expect_target in f for f in targets),
+                                           "nvcc targets: " + " ".join(targets)))
+        for module, found in out["modules"].items():
+            subject = f"import {module}"
+            if "skipped" in found:
+                # Informative: a server's full dependency tree is rarely in the environment checked.
+                results.append(CheckResult("runtime", subject, None, found["skipped"], required=False))
+            else:
+                results.append(CheckResult("runtime", subject, "error" not in found,
+                                           "imports" if "error" not in found else found["error"], required=False))
     return results
 
 
@@ -114,17 +135,18 @@ def _pristine_include_tree(data_dir: Path, original_header: bytes, into: Path) -
     return into
 
 
-def compile_checks(status: DistributionStatus, *, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
-    a = status.assessment
+def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    a = item.assessment
     nvcc = ptx.find_nvcc()
     if nvcc is None:
         return [CheckResult("compile", "nvcc PTX", None, "nvcc not found ($CUDA_HOME/bin when set, else PATH, else /usr/local/cuda/bin): install the CUDA toolkit (>= 12.8) or set CUDA_HOME")]
-    data_dir = a.dist.location / "flashinfer" / "data"
-    header = a.files.get(HEADER)
+    relpath = item.distribution.verify.compile_header
+    header = a.files.get(relpath) if relpath else None
     if header is None:
-        return [CheckResult("compile", "nvcc PTX", None, "this release's patch set does not touch trtllm_allreduce.cuh")]
-    original = a.state.original(HEADER)
-    reference = original.read_bytes() if header.state is FileState.APPLIED and original.exists() else None
+        return [CheckResult("compile", "nvcc PTX", None, f"this release's patch set does not touch {relpath}")]
+    data_dir = a.tree.root / "flashinfer" / "data"
+    expected = a.manifest.files[relpath].pristine if a.manifest else None
+    reference = a.tree.state.saved_original(relpath, expected) if header.state is FileState.APPLIED and expected else None
 
     def build(arch: str, tree: Path, label: str) -> str:
         if progress:
@@ -197,3 +219,17 @@ print(json.dumps(out))
                             f"compiled all {sources} sources in {elapsed:.0f} s; not linked or loaded: "
                             "no CUDA driver (libcuda) on this machine")]
     return [CheckResult("build", subject, False, f"{out.get('error')} after {elapsed:.0f} s ({objects} of {sources} objects)")]
+
+
+def run_verify(report: StatusReport, python: Path, *, runtime: bool, compile_: bool, build: bool,
+               progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """The checks asked for, over every distribution of the status report."""
+    results = [r for item in report.trees for r in static_checks(item)]
+    if runtime:
+        results += runtime_checks(python, [item for item in report.trees if item.assessment.patch_set])
+    if compile_:
+        results += [r for item in report.trees if item.distribution.verify.compile_header and item.assessment.patch_set
+                    for r in compile_checks(item, progress=progress)]
+    if build:
+        results += build_check(python, progress=progress)
+    return results

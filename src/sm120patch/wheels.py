@@ -32,6 +32,22 @@ def cached_wheel(distribution: str, version: str, cache: Path) -> Path | None:
     return None
 
 
+def find_wheel(distribution: str, version: str, wheel_dir: Path | None = None, *, download: bool = False) -> Path | None:
+    """The release's wheel from ``wheel_dir`` (an offline server's copy), else from the cache,
+    else (``download``) fetched into the cache; None when it cannot be had."""
+    for directory in ([wheel_dir] if wheel_dir else []) + [default_cache()]:
+        if directory.is_dir():
+            found = cached_wheel(distribution, version, directory)
+            if found:
+                return found
+    if not download:
+        return None
+    try:
+        return fetch_wheel(distribution, version)
+    except Sm120PatchError:
+        return None
+
+
 def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> Path:
     """The wheel of ``distribution==version``, downloaded once into ``cache``."""
     cache = cache or default_cache()

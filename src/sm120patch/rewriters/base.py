@@ -19,7 +19,7 @@ from sm120patch.errors import PatchDataError
 class Changed:
     """The rewriter found exactly ``sites`` sites and rewrote them."""
 
-    source: bytes
+    data: bytes
     sites: int
 
 
@@ -81,8 +81,8 @@ class Rewriter(abc.ABC):
         """Check parameter values (e.g. that a pattern compiles); raise PatchDataError."""
 
     @abc.abstractmethod
-    def rewrite(self, source: bytes, *, sites: int) -> RewriteResult:
-        """Rewrite ``source``, which must hold exactly ``sites`` sites."""
+    def rewrite(self, data: bytes, *, sites: int) -> RewriteResult:
+        """Rewrite ``data`` (a file's bytes), which must hold exactly ``sites`` sites."""
 
 
 REGISTRY: dict[str, type[Rewriter]] = {}
@@ -108,8 +108,8 @@ def create(name: str, params: Mapping[str, Any]) -> Rewriter:
     return cls(**params)
 
 
-def decode(source: bytes, rewriter: str) -> str | NoMatch:
+def decode(data: bytes, rewriter: str) -> str | NoMatch:
     try:
-        return source.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return NoMatch(f"{rewriter}: file is not UTF-8 text ({exc.reason} at byte {exc.start})")

@@ -26,8 +26,8 @@ class RegexReplace(Rewriter):
             except re.error as exc:
                 raise PatchDataError(f"rewriter {self.name}: {key} does not compile: {exc}") from None
 
-    def rewrite(self, source: bytes, *, sites: int) -> RewriteResult:
-        text = decode(source, self.name)
+    def rewrite(self, data: bytes, *, sites: int) -> RewriteResult:
+        text = decode(data, self.name)
         if isinstance(text, NoMatch):
             return text
         pattern = re.compile(self.args["pattern"], re.MULTILINE)

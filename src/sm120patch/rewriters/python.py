@@ -63,8 +63,8 @@ class LibcstRewriter(Rewriter):
         """The site, in words, for refusal messages."""
         raise NotImplementedError
 
-    def rewrite(self, source: bytes, *, sites: int) -> RewriteResult:
-        text = decode(source, self.name)
+    def rewrite(self, data: bytes, *, sites: int) -> RewriteResult:
+        text = decode(data, self.name)
         if isinstance(text, NoMatch):
             return text
         try:

@@ -1,0 +1,255 @@
+"""For one tree (an install or a checkout): the state of every file and patch, who made it
+(sm120patch, a hand edit, another build), and the verdicts and exit codes that follow.
+
+A file is judged by its bytes against the vendor manifest (the release's bytes and every
+patched combination); sm120patch's ledger only says *who* put patched bytes there. A release
+no patch set pins is judged, when asked (``apply --force``) or when sm120patch applied it that
+way before, with the closest set by meaning (the semantic checks), and says so.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from sm120patch.distributions import Distribution
+from sm120patch.errors import ExitCode, PatchDataError
+from sm120patch.hashing import sha256
+from sm120patch.manifests import FileHashes, Manifest, load_manifest
+from sm120patch.patchsets import Patch, PatchSet
+from sm120patch.semantics import CHECKS
+from sm120patch.state import Ledger, LedgerFile
+from sm120patch.trees import FileRead
+
+
+class FileState(enum.Enum):
+    PRISTINE = "pristine"  # the release's bytes
+    APPLIED = "applied"  # exactly the bytes of some combination of this file's patches
+    DRIFTED = "drifted"  # anything else: a hand edit, another build, a half-applied patch
+    MISSING = "missing"  # RECORD lists it, the file is gone
+
+
+class PatchState(enum.Enum):
+    PRISTINE = "pristine"
+    APPLIED = "applied"
+    DRIFTED = "drifted"
+    MISSING = "missing"
+
+
+class Verdict(enum.Enum):
+    PATCHED = "patched"
+    PARTLY = "partly patched"
+    NOT_PATCHED = "not patched"
+    DRIFTED = "DRIFTED"
+    FIXED_UPSTREAM = "fixed upstream"
+    NO_PATCH_SET = "no patch set"
+
+    @property
+    def done(self) -> bool:
+        return self in (Verdict.PATCHED, Verdict.FIXED_UPSTREAM)
+
+
+class Origin(enum.Enum):
+    SM120PATCH = "sm120patch"
+    ADOPTED = "adopted"  # a hand edit equal to the patch, which apply recorded
+    FORCED = "forced"  # patched by meaning with --force; no manifest vouches for the bytes
+    BY_HAND = "by hand"  # patched or changed, and sm120patch has no record of it
+
+
+@dataclass(frozen=True)
+class FileAssessment:
+    read: FileRead
+    state: FileState
+    sha256: str | None
+    applied: tuple[str, ...] = ()  # ids of the patches whose combination the bytes are
+    origin: Origin | None = None  # who made the bytes what they are (None: the release)
+    detail: str = ""
+    ledger: LedgerFile | None = None
+
+    @property
+    def relpath(self) -> str:
+        return self.read.relpath
+
+    @property
+    def path(self):
+        return self.read.path
+
+    @property
+    def link(self) -> str | None:
+        return self.read.link
+
+
+@dataclass
+class Assessment:
+    tree: object  # InstalledTree | CheckoutTree
+    distribution: Distribution
+    patch_set: PatchSet | None
+    manifest: Manifest | None
+    files: dict[str, FileAssessment] = field(default_factory=dict)
+    ledger: Ledger | None = None
+    fixed_upstream: bool = False
+    reason: str = ""  # why there is nothing to patch
+    unpinned: bool = False  # no set pins this release: the closest set, by meaning
+
+    @property
+    def name(self) -> str:
+        return self.distribution.name
+
+    @property
+    def raw_version(self) -> str:
+        return self.tree.raw_version
+
+    def patch_state(self, patch: Patch) -> PatchState:
+        fa = self.files[patch.file]
+        if fa.state is FileState.APPLIED:
+            return PatchState.APPLIED if patch.id in fa.applied else PatchState.PRISTINE
+        return PatchState(fa.state.value)
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.patch_set is None:
+            return Verdict.FIXED_UPSTREAM if self.fixed_upstream else Verdict.NO_PATCH_SET
+        states = {p.id: self.patch_state(p) for p in self.patch_set.patches}
+        if any(s in (PatchState.DRIFTED, PatchState.MISSING) for s in states.values()):
+            return Verdict.DRIFTED
+        if all(states[p.id] is PatchState.APPLIED for p in self.patch_set.patches if p.required):
+            return Verdict.PATCHED
+        if any(s is PatchState.APPLIED for s in states.values()):
+            return Verdict.PARTLY
+        return Verdict.NOT_PATCHED
+
+    @property
+    def dropped_by_reinstall(self) -> list[str]:
+        """Patches the ledger lists whose files are the release's again (a reinstall)."""
+        if self.ledger is None or self.patch_set is None:
+            return []
+        listed = {i for rel, entry in self.ledger.files.items()
+                  if rel in self.files and self.files[rel].state is FileState.PRISTINE for i in entry.patches}
+        return [p.id for p in self.patch_set.patches if p.id in listed]
+
+    @property
+    def hand_edits(self) -> list[FileAssessment]:
+        return [fa for fa in self.files.values() if fa.origin is Origin.BY_HAND]
+
+    @property
+    def links(self) -> list[FileAssessment]:
+        return [fa for fa in self.files.values() if fa.link is not None]
+
+
+def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, force_unknown: bool = False) -> Assessment:
+    """Each patched file's state. A release no patch set pins is assessed with the closest
+    set when ``force_unknown`` (apply --force) or when the ledger says a forced apply used one."""
+    version = tree.version
+    patch_set = distribution.find(version)
+    result = Assessment(tree=tree, distribution=distribution, patch_set=patch_set, manifest=None, ledger=ledger)
+    if patch_set is None:
+        if distribution.fixed_upstream(version):
+            result.fixed_upstream = True
+            result.reason = (f"{distribution.name} {tree.raw_version} supports SM120 here natively "
+                             f"(fixed upstream in {distribution.fixed_in})"
+                             + (f". {distribution.still_gated}" if distribution.still_gated else ""))
+            return result
+        if tree.raw_version in distribution.sdist_only:
+            result.reason = (f"{distribution.name} {tree.raw_version} was published as an sdist only: there is no wheel "
+                             "RECORD to check its files against; upgrade to a release sm120patch knows "
+                             "(see `sm120patch list`)")
+            return result
+        result.reason = f"no patch set is pinned to {distribution.name} {tree.raw_version} ({distribution.nearest(version)})"
+        borrowed = None
+        if ledger is not None and ledger.unpinned and ledger.patch_set and ledger.version == tree.raw_version:
+            borrowed = distribution.patch_set_named(ledger.patch_set)
+        elif force_unknown:
+            borrowed = distribution.closest_set(version)
+        if borrowed is None:
+            return result
+        result.patch_set, result.unpinned = borrowed, True
+        result.manifest = _unpinned_manifest(tree, borrowed, ledger)
+    else:
+        result.manifest = load_manifest(distribution.name, str(version))
+        if result.manifest is None:
+            raise PatchDataError(f"no vendor manifest for {distribution.name} {tree.raw_version}; run `make manifests`")
+    for relpath in result.patch_set.files:
+        result.files[relpath] = assess_file(tree, relpath, result.manifest.files[relpath], result.patch_set,
+                                            ledger.files.get(relpath) if ledger else None)
+    return result
+
+
+def _unpinned_manifest(tree, patch_set: PatchSet, ledger: Ledger | None) -> Manifest:
+    """No vendor manifest vouches for this release: its own RECORD gives the release's hashes,
+    and what sm120patch wrote (the ledger) the patched ones."""
+    files = {}
+    for rel in patch_set.files:
+        entry = ledger.files.get(rel) if ledger else None
+        files[rel] = FileHashes(pristine=tree.release_sha256(rel) or "",
+                                patched={"+".join(entry.patches): entry.patched} if entry else {})
+    return Manifest(distribution=patch_set.distribution, version=tree.raw_version, wheel="", wheel_sha256="", files=files)
+
+
+def assess_file(tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
+    read = tree.read(relpath)
+    if read.problem:
+        return FileAssessment(read, FileState.DRIFTED, None, detail=read.problem)
+    if read.data is None:
+        return FileAssessment(read, FileState.MISSING, None, ledger=ledger,
+                              detail="a symbolic link to a file that is gone" if read.link else "")
+    digest = sha256(read.data)
+    release = tree.release_sha256(relpath)
+    if release is not None and expected.pristine and release != expected.pristine:
+        return FileAssessment(read, FileState.DRIFTED, digest, ledger=ledger,
+                              detail="the installed RECORD does not describe the release sm120patch knows (another build?)")
+    if digest == expected.pristine:
+        return FileAssessment(read, FileState.PRISTINE, digest, ledger=ledger)
+    combination = expected.combination_of(digest)
+    if combination is not None:
+        if ledger is not None and ledger.patched == digest:
+            origin = Origin(ledger.origin) if ledger.origin in {o.value for o in Origin} else Origin.SM120PATCH
+        else:
+            origin = Origin.BY_HAND
+        return FileAssessment(read, FileState.APPLIED, digest, tuple(combination.split("+")), origin, ledger=ledger)
+    if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
+        return FileAssessment(read, FileState.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
+    return FileAssessment(read, FileState.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
+                          detail=_drift_detail(read.data, patch_set.patches_for(relpath), ledger is not None))
+
+
+def _drift_detail(data: bytes, patches: Sequence[Patch], edited_after_patching: bool) -> str:
+    """What a hand edit did, in the words of the semantic checks (a partial `sed` of the gates
+    is the common case)."""
+    head = ("changed after sm120patch patched it" if edited_after_patching else "changed by hand")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"{head}: not the release's bytes, not UTF-8 text"
+    found = []
+    for patch in patches:
+        try:
+            ok, detail = CHECKS[patch.check](text)
+        except (SyntaxError, ValueError) as exc:
+            found.append(f"{patch.id}: cannot parse ({exc})")
+            continue
+        found.append(f"{patch.id} {'present' if ok else 'absent'} ({detail})")
+    return f"{head}, not the release's bytes: " + "; ".join(found)
+
+
+def present_by_meaning(tree, patch: Patch) -> bool:
+    """Whether ``patch``'s change is in the tree's file, by its semantic check alone."""
+    read = tree.read(patch.file)
+    if read.data is None:
+        return False
+    try:
+        return CHECKS[patch.check](read.data.decode("utf-8"))[0]
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+        return False
+
+
+# -- exit codes -------------------------------------------------------------------------------
+
+def status_exit_code(verdicts: Sequence[Verdict], *, interrupted: bool = False) -> ExitCode:
+    """0 when everything installed is patched (or fixed upstream); 3 for drift or an
+    interrupted run; else 1."""
+    if Verdict.DRIFTED in verdicts or interrupted:
+        return ExitCode.REFUSED
+    if not verdicts or not all(v.done for v in verdicts):
+        return ExitCode.NOT_OK
+    return ExitCode.OK

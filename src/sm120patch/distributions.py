@@ -1,0 +1,262 @@
+"""The registry of supported distributions, read from data: ``patches/<name>/distribution.toml``
+beside that distribution's patch sets.
+
+Everything that differs between FlashInfer, SGLang (and any distribution added later) is
+here as data: its CLI selector, how a git checkout of it is laid out, the JIT module its
+sources feed, the release that fixed it upstream, what status and doctor say about turning
+fusion on, and its patch sets with the releases each is pinned to. Code above this module asks
+a :class:`Distribution`, never compares a distribution's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from sm120patch.data import data_dir
+from sm120patch.errors import PatchDataError
+from sm120patch.patchsets import PatchSet, parse_patch_set, parse_version, read_toml
+
+LEVELS = ("info", "warn")
+ANY = ""  # a selector given without a version (--flashinfer alone): whatever release is installed
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A sentence status and doctor show for the releases ``versions`` matches."""
+
+    versions: SpecifierSet
+    level: str  # info / warn
+    text: str  # may name {version}
+
+    def applies(self, version: Version | None) -> bool:
+        return version is not None and self.versions.contains(version, prereleases=True)
+
+    def render(self, raw_version: str) -> str:
+        return self.text.replace("{version}", raw_version)
+
+
+@dataclass(frozen=True)
+class CheckoutLayout:
+    """How a git checkout of the project maps the wheel's paths (RECORD paths) to its own."""
+
+    markers: tuple[str, ...]  # paths that exist in a checkout of this project
+    layout: tuple[tuple[str, str], ...]  # (installed prefix, repository prefix), most specific first
+    version_file: str | None = None  # else: the newest release tag reachable from HEAD
+
+    def repo_path(self, relpath: str) -> str | None:
+        for installed, repository in self.layout:
+            if relpath.startswith(installed):
+                return repository + relpath[len(installed):]
+        return None
+
+    def matches(self, root: Path) -> bool:
+        return all((root / marker).exists() for marker in self.markers)
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """How `verify` exercises the distribution beyond hashes and semantic checks."""
+
+    jit_spec: str | None = None  # "module:function" returning the JIT spec of jit_module
+    arch_list: str | None = None  # FLASHINFER_CUDA_ARCH_LIST to ask it with
+    expect_target: str | None = None  # what its nvcc flags must then target
+    compile_header: str | None = None  # the RECORD path `verify --compile` builds PTX from
+
+
+@dataclass(frozen=True)
+class Distribution:
+    name: str
+    option: str  # the selector: --<option> [VERSION]
+    summary: str
+    patch_sets: tuple[PatchSet, ...] = ()
+    fixed_in: Version | None = None
+    upstream: str | None = None
+    sdist_only: tuple[str, ...] = ()
+    jit_module: str | None = None
+    still_gated: str | None = None
+    pins: str | None = None  # a distribution whose exact pin status compares with what is installed
+    advice: tuple[Advice, ...] = ()
+    checkout: CheckoutLayout | None = None
+    verify: VerifySpec = VerifySpec()
+    directory: Path = field(default=Path("."), compare=False)
+
+    @property
+    def selector(self) -> str:
+        return f"--{self.option}"
+
+    def find(self, version: Version | None) -> PatchSet | None:
+        """The patch set pinned to exactly ``version`` ('0.6.4' is not '0.6.4.post1' nor '0.6.4+local')."""
+        if version is None:
+            return None
+        for patch_set in self.patch_sets:
+            if any(str(version) == str(pinned) for pinned in patch_set.versions):
+                return patch_set
+        return None
+
+    def known_versions(self) -> list[Version]:
+        return sorted(v for ps in self.patch_sets for v in ps.versions)
+
+    def closest_set(self, version: Version | None) -> PatchSet | None:
+        """For a release no set pins: the set of the highest known release below it, else the
+        lowest above (what `apply --force` tries, by meaning)."""
+        pinned = sorted(((v, ps) for ps in self.patch_sets for v in ps.versions), key=lambda item: item[0])
+        if not pinned or version is None:
+            return None
+        below = [ps for v, ps in pinned if v < version]
+        return below[-1] if below else pinned[0][1]
+
+    def nearest(self, version: Version | None) -> str:
+        """The known releases on either side of ``version``, in words, for refusals."""
+        known = self.known_versions()
+        if not known:
+            return "sm120patch knows no release of it"
+        if version is None:
+            return f"sm120patch knows {known[0]} to {known[-1]}"
+        below = [v for v in known if v < version]
+        above = [v for v in known if v > version]
+        parts = ([f"nearest known below: {below[-1]}"] if below else []) + ([f"above: {above[0]}"] if above else [])
+        return ", ".join(parts) + f"; sm120patch knows {known[0]} to {known[-1]}"
+
+    def fixed_upstream(self, version: Version | None) -> bool:
+        return version is not None and self.fixed_in is not None and version >= self.fixed_in
+
+    def advice_for(self, version: Version | None) -> list[Advice]:
+        return [a for a in self.advice if a.applies(version)]
+
+    def patch_set_named(self, name: str) -> PatchSet | None:
+        return next((ps for ps in self.patch_sets if ps.name == name or ps.path.name == name), None)
+
+    @property
+    def all_files(self) -> tuple[str, ...]:
+        """Every file any of its patch sets touches (what the target probe reads RECORD rows of)."""
+        return tuple(dict.fromkeys(f for ps in self.patch_sets for f in ps.files))
+
+
+@dataclass(frozen=True)
+class Registry:
+    distributions: tuple[Distribution, ...]
+
+    def __iter__(self):
+        return iter(self.distributions)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.distributions)
+
+    def get(self, name: str) -> Distribution:
+        from sm120patch.environment import normalize_name
+
+        wanted = normalize_name(name)
+        for distribution in self.distributions:
+            if distribution.name == wanted:
+                return distribution
+        raise KeyError(name)
+
+    def by_option(self, option: str) -> Distribution:
+        return next(d for d in self.distributions if d.option == option)
+
+    @property
+    def patch_sets(self) -> list[PatchSet]:
+        return [ps for d in self.distributions for ps in d.patch_sets]
+
+    def wanted_rows(self) -> dict[str, dict]:
+        """What the target probe reads of each distribution's RECORD: the files its patch sets
+        touch (not the thousands of others)."""
+        return {d.name: {"files": list(d.all_files)} for d in self.distributions}
+
+
+def _str_list(doc: dict, key: str, where: str) -> tuple[str, ...]:
+    value = doc.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PatchDataError(f"{where}: '{key}' must be a list of strings")
+    return tuple(value)
+
+
+def _optional_str(doc: dict, key: str, where: str) -> str | None:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, str):
+        raise PatchDataError(f"{where}: '{key}' must be a string")
+    return value
+
+
+def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Distribution:
+    where = f"{directory.name}/distribution.toml"
+    doc = read_toml(directory / "distribution.toml", where)
+    from sm120patch.environment import normalize_name
+
+    for key in ("name", "option", "summary"):
+        if not isinstance(doc.get(key), str) or not doc[key]:
+            raise PatchDataError(f"{where}: missing '{key}'")
+    name = normalize_name(doc["name"])
+    if name != directory.name:
+        raise PatchDataError(f"{where}: names {name!r}, but lives in patches/{directory.name}/")
+    advice = []
+    for index, raw in enumerate(doc.get("advice", [])):
+        awhere = f"{where}: advice #{index + 1}"
+        if raw.get("level") not in LEVELS or not isinstance(raw.get("text"), str):
+            raise PatchDataError(f"{awhere}: needs level ({' or '.join(LEVELS)}) and text")
+        try:
+            versions = SpecifierSet(raw.get("versions", ""))
+        except InvalidSpecifier:
+            raise PatchDataError(f"{awhere}: {raw.get('versions')!r} is not a version specifier") from None
+        advice.append(Advice(versions, raw["level"], raw["text"]))
+    checkout = None
+    if "checkout" in doc:
+        raw = doc["checkout"]
+        layout = raw.get("layout", [])
+        if not layout or not all(isinstance(pair, list) and len(pair) == 2 for pair in layout):
+            raise PatchDataError(f"{where}: checkout.layout must be a list of [installed prefix, repository prefix]")
+        checkout = CheckoutLayout(markers=_str_list(raw, "markers", where), layout=tuple(tuple(p) for p in layout),
+                                  version_file=_optional_str(raw, "version_file", where))
+    raw_verify = doc.get("verify", {})
+    verify = VerifySpec(**{key: _optional_str(raw_verify, key, where)
+                           for key in ("jit_spec", "arch_list", "expect_target", "compile_header")})
+    unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header"}
+    if unknown:
+        raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
+    fixed_in = _optional_str(doc, "fixed_in", where)
+    patch_sets = tuple(parse_patch_set(path, name, check_rewriters=check_rewriters)
+                       for path in sorted(directory.glob("*.toml")) if path.name != "distribution.toml")
+    seen: dict[str, PatchSet] = {}
+    for patch_set in patch_sets:
+        for version in patch_set.versions:
+            if str(version) in seen:
+                raise PatchDataError(f"{patch_set.name}: {name} {version} is also pinned by {seen[str(version)].name}")
+            seen[str(version)] = patch_set
+    return Distribution(
+        name=name, option=doc["option"], summary=doc["summary"], patch_sets=patch_sets,
+        fixed_in=parse_version(fixed_in, where) if fixed_in else None,
+        upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
+        jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
+        pins=_optional_str(doc, "pins", where), advice=tuple(advice), checkout=checkout, verify=verify,
+        directory=directory,
+    )
+
+
+def selectors(directory: Path | None = None) -> list[tuple[str, str]]:
+    """(option, name) of every distribution, from its distribution.toml alone: the CLI builds
+    its --<option> [VER] selectors from this, so a new distribution needs no code there."""
+    directory = directory or data_dir("patches")
+    found = []
+    for path in sorted(directory.glob("*/distribution.toml")):
+        doc = read_toml(path, f"{path.parent.name}/distribution.toml")
+        if isinstance(doc.get("option"), str) and isinstance(doc.get("name"), str):
+            found.append((doc["option"], doc["name"]))
+    return found
+
+
+def load_registry(directory: Path | None = None, *, check_rewriters: bool = True) -> Registry:
+    """Every distribution under ``patches/`` (or ``directory``), in name order."""
+    directory = directory or data_dir("patches")
+    found = sorted(p.parent for p in directory.glob("*/distribution.toml"))
+    if not found:
+        raise PatchDataError(f"no distributions under {directory} (patches/<name>/distribution.toml)")
+    distributions = tuple(parse_distribution(d, check_rewriters=check_rewriters) for d in found)
+    options = [d.option for d in distributions]
+    if len(set(options)) != len(options):
+        raise PatchDataError(f"two distributions share one selector: {options}")
+    return Registry(distributions)
+

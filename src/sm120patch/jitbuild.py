@@ -1,0 +1,172 @@
+"""Warm FlashInfer's JIT cache: build a distribution's JIT module (``trtllm_comm``) with
+FlashInfer's own JIT, in the target interpreter, into the cache base the server reads, so the
+first server start after ``apply`` compiles nothing.
+
+The build is FlashInfer's: its JIT spec, its ``build.ninja``, its build lock, its cache path
+(``<base>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>``), its architecture choice
+(``FLASHINFER_CUDA_ARCH_LIST`` when given, else the GPUs it sees). sm120patch adds the
+parallelism (``MAX_JOBS``), the progress, the proof (a fresh process regenerates the same
+``build.ninja``, ninja finds nothing to do, the library loads) and the cleanup of an entry a
+failed build leaves half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from sm120patch.errors import CheckFailedError, TargetError, UsageError
+from sm120patch.state import Owner
+
+_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
+_ARCH = re.compile(r"^\d+\.\d+[af]?$")
+
+# Runs in the target interpreter. argv[1]: JSON {"spec": "module:function", "phase": "build" | "prove"}.
+_SCRIPT = r"""
+import importlib, json, os, subprocess, sys
+request = json.loads(sys.argv[1])
+def say(**event):
+    print("@@sm120patch " + json.dumps(event), flush=True)
+try:
+    if not os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
+        import torch
+        if not torch.cuda.is_available():
+            say(error="no GPU is visible and FLASHINFER_CUDA_ARCH_LIST is not set", kind="arch")
+            sys.exit(0)
+    module, _, function = request["spec"].partition(":")
+    spec = getattr(importlib.import_module(module), function)()
+except Exception as exc:
+    say(error="%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else ""), kind="import")
+    sys.exit(0)
+say(build_dir=str(spec.build_dir), library=str(spec.jit_library_path), existed=spec.build_dir.exists(),
+    aot=bool(getattr(spec, "is_aot", False)))
+if request["phase"] == "build":
+    try:
+        spec.build(verbose=True)  # FlashInfer's own lock, ninja file and ninja run
+    except Exception as exc:
+        say(error="%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else ""), kind="build")
+        sys.exit(0)
+    say(built=True)
+else:
+    from flashinfer.jit.cpp_ext import generate_ninja_build_for_op
+    expected = generate_ninja_build_for_op(
+        name=spec.name, sources=spec.sources, extra_cflags=spec.extra_cflags,
+        extra_cuda_cflags=spec.extra_cuda_cflags, extra_ldflags=spec.extra_ldflags,
+        extra_include_dirs=spec.extra_include_dirs,
+        **({"needs_device_linking": spec.needs_device_linking} if hasattr(spec, "needs_device_linking") else {}))
+    same = spec.ninja_path.exists() and spec.ninja_path.read_text() == expected
+    dry = subprocess.run(["ninja", "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
+                         capture_output=True, text=True)
+    try:
+        spec.load(spec.jit_library_path)
+        loaded, error = True, None
+    except Exception as exc:
+        loaded, error = False, "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+    say(same_ninja=same, up_to_date="no work to do" in dry.stdout, loaded=loaded, load_error=error)
+"""
+
+
+def parse_arch(text: str) -> str:
+    """``12.0a``, ``9.0a,12.0a`` or ``"9.0a 12.0a"`` -> FLASHINFER_CUDA_ARCH_LIST's form."""
+    archs = [a for a in re.split(r"[,\s]+", text.strip()) if a]
+    bad = [a for a in archs if not _ARCH.match(a)]
+    if not archs or bad:
+        raise UsageError(f"--arch {text}: not a list of compute capabilities",
+                         hint="e.g. --arch 12.0a (RTX PRO 6000 Blackwell, RTX 5090), or --arch '9.0a 12.0a'")
+    return " ".join(archs)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    module: str
+    entry: Path  # <base>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>
+    archs: str  # what FlashInfer built for (the entry's arch directory)
+    seconds: float
+    proof: str  # how the entry was shown to be the one FlashInfer loads at start
+
+
+def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None, owner: Owner | None,
+          progress: Callable[[str, int, int], None] | None = None, jobs: int | None = None) -> BuildResult:
+    """Build ``spec`` (``module:function``, FlashInfer's JIT spec) in ``python`` into ``base``,
+    then prove in a fresh process that FlashInfer will load it without compiling."""
+    # The server's environment and nothing that changes FlashInfer's flags: FLASHINFER_JIT_VERBOSE
+    # or _DEBUG would make a debug build (other nvcc flags, another build.ninja, an entry the
+    # server rebuilds), FLASHINFER_NVCC_THREADS goes into build.ninja too. MAX_JOBS only sets
+    # ninja's -j; ninja's [n/m] lines reach us because the build runs with verbose=True.
+    server_env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(base))
+    if arch:
+        server_env["FLASHINFER_CUDA_ARCH_LIST"] = arch
+    env = dict(server_env, MAX_JOBS=str(jobs or os.cpu_count() or 1), PYTHONUNBUFFERED="1")
+    run_as = _run_as(owner)
+    start = time.monotonic()
+    events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress)
+    elapsed = time.monotonic() - start
+    where = events.get("build_dir")
+    if "error" in events:
+        if where and not events.get("existed"):  # no half-written cache entry
+            shutil.rmtree(where, ignore_errors=True)
+        kind = events.get("kind")
+        if kind == "import":
+            raise TargetError(f"FlashInfer's JIT does not import in {python}: {events['error']}",
+                              hint="the server's environment needs torch and FlashInfer's dependencies")
+        if kind == "arch":
+            raise UsageError(f"cannot tell which GPUs to build {module} for: {events['error']}",
+                             hint="pass --arch with the server's compute capability, e.g. --arch 12.0a")
+        detail = "\n".join(tail)
+        raise CheckFailedError(f"FlashInfer's JIT build of {module} failed after {elapsed:.0f} s: {events['error']}"
+                               + ("; the patched sources are in place, the half-built entry was removed"
+                                  if where and not events.get("existed") else ""),
+                               hint=("the build's last lines:\n" + detail) if detail else None)
+    if "built" not in events:
+        raise CheckFailedError(f"FlashInfer's JIT build of {module} stopped without a result: " + (tail[-1] if tail else "no output"))
+    proof, _ = _run(python, {"spec": spec, "phase": "prove"}, server_env, run_as, None)
+    entry = Path(where)
+    problems = [text for key, text in (("same_ninja", "its build.ninja is not the one FlashInfer generates at start"),
+                                       ("up_to_date", "ninja would rebuild it at start"))
+                if not proof.get(key)]
+    if problems:
+        raise CheckFailedError(f"the built entry {entry} is not what FlashInfer loads at start: {'; '.join(problems)}")
+    if proof.get("loaded"):
+        how = "a fresh process regenerated the same build.ninja, ninja had no work to do, and the library loaded"
+    else:
+        how = ("a fresh process regenerated the same build.ninja and ninja had no work to do; the library did not "
+               f"load here ({proof.get('load_error')}): a machine without a CUDA driver cannot load it")
+    return BuildResult(module, entry, entry.parent.parent.name, elapsed, how)
+
+
+def _run_as(owner: Owner | None) -> dict:
+    """As root for another user's cache base: build as that user, so the entry, its lock and
+    its directories are theirs (the server takes FlashInfer's lock in there)."""
+    if owner is not None and os.geteuid() == 0 and owner.uid != 0:
+        return {"user": owner.uid, "group": owner.gid, "extra_groups": []}
+    return {}
+
+
+def _run(python: Path, request: dict, env: dict, run_as: dict,
+         progress: Callable[[str, int, int], None] | None) -> tuple[dict, list[str]]:
+    events: dict = {}
+    tail: deque[str] = deque(maxlen=20)
+    proc = subprocess.Popen([str(python), "-c", _SCRIPT, json.dumps(request)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd="/", **run_as)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith("@@sm120patch "):
+            events.update(json.loads(line[len("@@sm120patch "):]))
+            continue
+        tail.append(line)
+        step = _STEP.match(line)
+        if step and progress:
+            progress(line, int(step.group(1)), int(step.group(2)))
+    proc.wait()
+    if proc.returncode and "error" not in events:
+        events["error"] = f"the build process exited with {proc.returncode}"
+    return events, list(tail)

@@ -1,0 +1,379 @@
+"""Rendering: the human text and the --json documents. No decisions are made here: verdicts and
+exit codes come with the reports (assess.py, pipeline.py)."""
+
+from __future__ import annotations
+
+from sm120patch.assess import FileState, Origin, PatchState
+from sm120patch.pipeline import ChangeReport, Result, StatusReport, TreeStatus, diff_label
+from sm120patch.trees import CheckoutTree
+
+AOT_HINT = (
+    "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
+    "has no SM120 code: uninstall flashinfer-jit-cache (or remove that file) so the JIT builds it"
+)
+
+
+def _tokens(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+def _patch_word(item: TreeStatus, patch, state: PatchState) -> str:
+    if isinstance(item.tree, CheckoutTree):
+        present = item.by_meaning.get(patch.id, state is PatchState.APPLIED)
+        return "in HEAD" if present else "not in HEAD"
+    word = state.value
+    fa = item.assessment.files.get(patch.file)
+    if state is PatchState.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+        word += f" ({fa.origin.value})"
+    return word
+
+
+def _file_notes(item: TreeStatus) -> list[str]:
+    a = item.assessment
+    lines = []
+    for fa in a.files.values():
+        if fa.link is not None:
+            where = {FileState.PRISTINE: "holds the release's bytes", FileState.APPLIED: "holds patched bytes"}.get(
+                fa.state, "does not hold the release's bytes")
+            lines.append(f"  ! {fa.relpath} is a symbolic link to {fa.link} (uv --link-mode=symlink?); it {where}. "
+                         "sm120patch never writes through a link: reinstall with --link-mode=copy, or `apply --force` "
+                         "replaces it by a patched regular file")
+        if fa.state is FileState.APPLIED and fa.origin is Origin.BY_HAND:
+            lines.append(f"  ! {fa.relpath}: patched by hand, identical to {', '.join(fa.applied)}; sm120patch has no "
+                         "record of it: `apply` adopts it, `revert` restores the release's bytes")
+        elif fa.detail:
+            lines.append(f"  ! {fa.relpath}: {fa.detail}")
+    if a.dropped_by_reinstall:
+        lines.append(f"  ! {', '.join(a.dropped_by_reinstall)} had been applied; the files are the release's again "
+                     "(the package was reinstalled): run `sm120patch apply` again")
+    if item.pending:
+        rolls = "; the next apply or revert rolls it back" if item.pending_blocks and item.pending.startswith("an interrupted") else ""
+        lines.append(f"  ! {item.pending} was found{rolls}" if item.pending.startswith("an interrupted")
+                     else f"  ! {item.pending}")
+    if a.unpinned:
+        lines.append(f"  ! unpinned: no patch set pins {a.raw_version}; {a.patch_set.name} was applied by meaning with "
+                     "--force, and no vendor manifest vouches for the result")
+    elif a.ledger and a.ledger.unpinned:
+        lines.append("  ! applied with --force to bytes no vendor manifest vouches for (unpinned)")
+    return lines
+
+
+def render_status(report: StatusReport) -> str:
+    lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
+    if not report.trees:
+        lines.append(f"  none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed here")
+    for item in report.trees:
+        a, tree, distribution = item.assessment, item.tree, item.distribution
+        lines.append("")
+        where = f"  ({tree.root})" if not isinstance(tree, CheckoutTree) else ""
+        head = f"{a.name} {a.raw_version}" + (" checkout at " + str(tree.root) if isinstance(tree, CheckoutTree) else "")
+        lines.append(f"{head}: {a.verdict.value}{where}")
+        if item.routed_from is not None:
+            lines.append(f"  editable install of {item.routed_from}: `apply` patches that checkout as a commit")
+        shown = a.patch_set or (distribution.closest_set(tree.version) if item.by_meaning else None)
+        if a.patch_set is None:
+            lines.append(f"  {a.reason}")
+        if shown is not None and (a.patch_set is not None or item.by_meaning):
+            width = max(len(p.id) for p in shown.patches)
+            for patch in shown.patches:
+                state = a.patch_state(patch) if a.patch_set is not None else PatchState.PRISTINE
+                if a.patch_set is None:
+                    word = "present" if item.by_meaning.get(patch.id) else "absent"
+                    if isinstance(tree, CheckoutTree):
+                        word = "in HEAD" if item.by_meaning.get(patch.id) else "not in HEAD"
+                else:
+                    word = _patch_word(item, patch, state)
+                kind = "" if patch.required else " (opt-in)"
+                fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
+                lines.append(f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}")
+        if a.patch_set is not None:
+            lines += _file_notes(item)
+            if distribution.fixed_in:
+                lines.append(f"  upstream fix: {distribution.fixed_in} ({distribution.upstream})")
+            if distribution.still_gated:
+                lines.append(f"  note: {distribution.still_gated}")
+        for note in (a.patch_set.notes if a.patch_set else ()):
+            lines.append(f"  note: {note}")
+        for advice in item.advice:
+            lines.append(f"  {'!' if advice.level == 'warn' else 'note:'} {advice.render(a.raw_version)}")
+        if item.pin:
+            lines.append(f"  note: {item.pin} (sm120patch patches each as installed)")
+        if isinstance(tree, CheckoutTree):
+            from sm120patch.checkout import read_note
+
+            note = read_note(tree)
+            if note:
+                lines.append(f"  sm120patch's branch: {note['branch']}")
+        if item.jit is not None:
+            lines += _jit_lines(item)
+    for shadow in report.aot:
+        lines.append("")
+        lines.append(f"AOT: {shadow.path} ({shadow.source})")
+        lines.append(f"  ! {AOT_HINT}")
+    return "\n".join(lines)
+
+
+def _jit_lines(item: TreeStatus) -> list[str]:
+    jit = item.jit
+    lines = [f"  JIT cache: {jit.base.cache_dir} (base: {jit.base.reason})"]
+    if not jit.entries:
+        lines.append(f"    no {item.distribution.jit_module} entries for {item.assessment.raw_version} "
+                     "(FlashInfer builds one on first use)")
+    for entry in jit.entries:
+        if entry in jit.stale:
+            mark = "STALE: built before the last change of its sources; `sm120patch apply` removes it"
+        elif entry in jit.foreign:
+            mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
+                    "cache share this entry, and a patch or revert in either one invalidates it")
+        else:
+            mark = "current"
+        lines.append(f"    {entry}: {mark}")
+    for aside in jit.asides:
+        lines.append(f"    {aside}: moved aside by an sm120patch run; the next apply or revert deletes it")
+    return lines
+
+
+def status_json(report: StatusReport) -> dict:
+    out = {
+        "target": report.target,
+        "python_version": report.python_version,
+        "exit_code": int(report.exit_code),
+        "distributions": [],
+        "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
+    }
+    for item in report.trees:
+        a, tree = item.assessment, item.tree
+        entry = {
+            "name": a.name,
+            "version": a.raw_version,
+            "kind": tree.kind,
+            "location": str(tree.root),
+            "dist_info": str(tree.dist.dist_info) if hasattr(tree, "dist") else None,
+            "editable_checkout": str(item.routed_from) if item.routed_from else None,
+            "state": a.verdict.value,
+            "patch_set": a.patch_set.name if a.patch_set else None,
+            "reason": a.reason or None,
+            "fixed_in": str(item.distribution.fixed_in) if item.distribution.fixed_in else None,
+            "interrupted_transaction": item.pending if item.pending_blocks else None,
+            "in_progress": item.pending if item.pending and not item.pending_blocks else None,
+            "dropped_by_reinstall": a.dropped_by_reinstall,
+            "unpinned": bool(a.unpinned or (a.ledger and a.ledger.unpinned)),
+            "pin_mismatch": item.pin,
+            "advice": [{"level": x.level, "text": x.render(a.raw_version)} for x in item.advice],
+            "patches": [],
+            "jit_cache": None if item.jit is None else {
+                "base": str(item.jit.base.path),
+                "base_reason": item.jit.base.reason,
+                "entries": [str(e) for e in item.jit.entries],
+                "stale": [str(e) for e in item.jit.stale],
+                "foreign": {str(k): str(v) for k, v in item.jit.foreign.items()},
+                "asides": [str(e) for e in item.jit.asides],
+            },
+        }
+        if a.patch_set:
+            for patch in a.patch_set.patches:
+                fa = a.files[patch.file]
+                entry["patches"].append({
+                    "id": patch.id, "file": patch.file, "required": patch.required,
+                    "state": a.patch_state(patch).value,
+                    "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not PatchState.PRISTINE else None,
+                    "link": fa.link, "sha256": fa.sha256, "upstream": patch.upstream, "fixed_in": patch.fixed_in,
+                    "detail": fa.detail or None,
+                    "in_head": item.by_meaning.get(patch.id) if isinstance(tree, CheckoutTree) else None,
+                })
+        elif item.by_meaning:
+            entry["present_by_meaning"] = item.by_meaning
+        out["distributions"].append(entry)
+    return out
+
+
+# -- apply / revert ---------------------------------------------------------------------------------
+
+def render_change(report: ChangeReport) -> str:
+    verb = {"apply": "patched", "revert": "restored", "build": "built"}[report.operation]
+    lines = []
+    if report.recovery:
+        r = report.recovery
+        lines.append(f"finished an interrupted {r.operation} (every change had been made)" if r.finished else
+                     f"rolled back an interrupted {r.operation} ({_tokens(len(r.restored), 'change')} undone)"
+                     if r.operation != "unknown" else "removed an unreadable journal (--force)")
+    for name, path in report.routed:
+        lines.append(f"{name} is an editable install of {path}: patching that checkout as a commit instead")
+    for result in report.results:
+        lines += _result_lines(report, result, verb)
+    if report.jit_base and (report.jit_removed or report.jit_sources_changed) and not report.dry_run:
+        base = report.jit_base
+        lines.append(f"JIT cache base: {base.path} ({base.reason})")
+        for path in report.jit_removed:
+            lines.append(f"  removed stale entry {path}")
+        if not report.jit_removed:
+            lines.append("  no trtllm_comm entries to remove (FlashInfer builds one on first use)")
+    for shadow in report.aot:
+        lines.append(f"warning: prebuilt {shadow.path} ({shadow.source}): {AOT_HINT}")
+    for built in report.builds:
+        lines.append(f"built {built.module} for {built.archs} in {built.seconds:.0f} s: {built.entry}")
+        lines.append(f"  {built.proof}")
+    return "\n".join(lines)
+
+
+def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
+    head = f"{result.name} {result.version}"
+    if result.undo is not None:
+        return [f"{head}: {result.undo.message}"]
+    if result.plan is None:
+        return [f"{head}: nothing to do: {result.message}"]
+    plan = result.plan
+    if report.dry_run:
+        if not plan.files:
+            return [f"{head}: already {verb}, nothing would change"]
+        return [p.diff(diff_label(result, p)).rstrip("\n") for p in plan.files]
+    lines = []
+    for relpath in plan.adopted:
+        lines.append(f"{head}: {relpath} was patched by hand, identical to the patch: recorded as applied "
+                     "(revert restores the release's bytes)")
+    if not plan.files:
+        if not plan.adopted:
+            lines.append(f"{head}: nothing to change (already {verb})")
+        return lines
+    if plan.assessment.unpinned and report.operation == "apply":
+        lines.append(f"{head}: no patch set pins this release; applied {plan.assessment.patch_set.name} by meaning "
+                     "(--force), recorded as unpinned:")
+        lines += [p.diff(diff_label(result, p)).rstrip("\n") for p in plan.files]
+    if result.commit is not None:
+        lines.append(f"{head}: committed {result.commit.sha[:12]} on {result.commit.branch} "
+                     f"({_tokens(len(result.commit.files), 'file')})"
+                     + ("" if not plan.assessment.unpinned else "; unpinned: the files were not the release's bytes"))
+        return lines
+    lines.append(f"{head}: {verb} {_tokens(len(plan.files), 'file')}")
+    for planned in plan.files:
+        ids = ", ".join(planned.patches) if planned.patches else (planned.restore_from or "release bytes")
+        if planned.relink:
+            ids = f"symbolic link to {planned.relink} put back"
+        before = planned.before[:12] if planned.before else "missing"
+        extra = f"; was a symbolic link to {planned.replaces_link}" if planned.replaces_link else ""
+        lines.append(f"  {planned.relpath}  [{ids}]  sha256 {before} -> {planned.after[:12]}{extra}")
+    return lines
+
+
+def change_json(report: ChangeReport) -> dict:
+    return {
+        "operation": report.operation,
+        "dry_run": report.dry_run,
+        "target": report.target,
+        "changed": report.changed if not report.dry_run else False,
+        "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
+        "recovered": None if report.recovery is None else {
+            "operation": report.recovery.operation, "undone": list(report.recovery.restored),
+            "finished": report.recovery.finished},
+        "routed": [{"name": n, "checkout": str(p)} for n, p in report.routed],
+        "results": [
+            {
+                "name": r.name,
+                "version": r.version,
+                "kind": r.kind,
+                "message": r.message or None,
+                "commit": None if r.commit is None else {"branch": r.commit.branch, "sha": r.commit.sha,
+                                                         "files": list(r.commit.files)},
+                "undo": r.undo.message if r.undo else None,
+                "adopted": list(r.plan.adopted) if r.plan else [],
+                "files": [
+                    {"file": f.relpath, "patches": list(f.patches), "before": f.before, "after": f.after,
+                     "diff": f.diff(diff_label(r, f)) if report.dry_run else None}
+                    for f in (r.plan.files if r.plan else ())
+                ],
+            }
+            for r in report.results
+        ],
+        "left": [{"name": x.name, "version": x.version, "error": x.error.message, "hint": x.error.hint}
+                 for x in report.left],
+        "jit_cache_removed": [str(p) for p in report.jit_removed] if not report.dry_run else [],
+        "jit_cache_base": str(report.jit_base.path) if report.jit_base else None,
+        "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
+        "build_error": report.build_error.message if report.build_error else None,
+        "builds": [{"module": b.module, "entry": str(b.entry), "archs": b.archs, "seconds": round(b.seconds, 1),
+                    "proof": b.proof} for b in report.builds],
+    }
+
+
+def render_diff(report: ChangeReport) -> str:
+    return "".join(p.diff(diff_label(r, p)) for r in report.results for p in (r.plan.files if r.plan else ()))
+
+
+# -- list -----------------------------------------------------------------------------------------
+
+def _ranges(versions) -> str:
+    return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
+
+
+def render_list(registry) -> str:
+    """The support matrix: release ranges -> patch ids (required / opt-in) -> upstream fix."""
+    lines = []
+    for distribution in registry:
+        sets = sorted(distribution.patch_sets, key=lambda ps: min(ps.versions))
+        fixed = distribution.fixed_in
+        lines.append(f"{distribution.name} ({distribution.selector})"
+                     + (f"  fixed upstream from {fixed}: {distribution.upstream}" if fixed else "  no upstream release fixes it"))
+        for ps in sets:
+            versions = sorted(ps.versions)
+            required = ", ".join(p.id for p in ps.patches if p.required)
+            optional = ", ".join(ps.opt_in) or "none"
+            lines.append(f"  {_ranges(versions):<28} {len(versions):>2} release(s)  {required:<36} opt-in: {optional}")
+        for version in distribution.sdist_only:
+            lines.append(f"  {version:<28}  sdist only: not supported (no RECORD to check against)")
+        if fixed:
+            lines.append(f"  {str(fixed) + ' and later':<28}  native SM120 support: nothing to patch")
+    return "\n".join(lines)
+
+
+def list_json(registry) -> dict:
+    return {
+        d.name: {
+            "selector": d.selector,
+            "fixed_in": str(d.fixed_in) if d.fixed_in else None,
+            "sdist_only": list(d.sdist_only),
+            "releases": {
+                str(v): {
+                    "patch_set": ps.name,
+                    "required": [p.id for p in ps.patches if p.required],
+                    "opt_in": list(ps.opt_in),
+                    "upstream": {p.id: {"reference": p.upstream, "fixed_in": p.fixed_in} for p in ps.patches},
+                }
+                for ps in d.patch_sets for v in sorted(ps.versions)
+            },
+        }
+        for d in registry
+    }
+
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+def render_verify(report: StatusReport, results) -> str:
+    from sm120patch.errors import ExitCode
+    from sm120patch.verify import verify_exit_code
+
+    lines = [f"Python {report.target} ({report.python_version})"]
+    if not results:
+        lines.append("  nothing to verify: none of the distributions sm120patch patches is installed here")
+    for r in results:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP" if not r.required else "NOT RUN"}[r.ok]
+        lines.append(f"{mark:<4}  {r.kind:<8} {r.subject}: {r.detail}")
+    code = verify_exit_code(results)
+    not_run = [r for r in results if r.ok is None and r.required]
+    lines.append("verified" if code is ExitCode.OK else
+                 "NOT verified" + (f": {len(not_run)} check(s) you asked for could not run" if not_run else ""))
+    return "\n".join(lines)
+
+
+def verify_json(report: StatusReport, results) -> dict:
+    from sm120patch.errors import ExitCode
+    from sm120patch.verify import verify_exit_code
+
+    return {
+        "target": report.target,
+        "verified": verify_exit_code(results) is ExitCode.OK,
+        "checks": [{"kind": r.kind, "subject": r.subject, "ok": r.ok, "ran": r.ok is not None,
+                    "required": r.required, "detail": r.detail} for r in results],
+    }
