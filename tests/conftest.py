@@ -1,24 +1,22 @@
-"""Shared fixtures: the real upstream wheels (downloaded once, cached across runs) installed
-without dependencies into throwaway virtual environments; and the CLI, run in-process."""
+"""Fixtures: the real upstream wheels (downloaded once, cached across runs) installed without
+dependencies into throwaway virtual environments. Tests never touch the real $HOME: each test
+gets a HOME of its own (the wheel cache is pinned before that, so it stays shared)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from sm120patch.cli import cli
-from sm120patch.environment import parse_record_hash
+from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, make_venv
 from sm120patch.wheels import default_cache, fetch_wheel
 
-FLASHINFER_VERSION = "0.6.4"
-SGLANG_VERSION = "0.5.9"
+# Resolved once, from the real environment, before any test moves HOME.
+os.environ.setdefault("SM120PATCH_WHEEL_CACHE", str(default_cache()))
 
 
 @pytest.fixture(scope="session")
@@ -36,66 +34,11 @@ def sglang_wheel(wheel_cache) -> Path:
     return fetch_wheel("sglang", SGLANG_VERSION, wheel_cache)
 
 
-def wheel_file(wheel: Path, relpath: str) -> bytes:
-    with zipfile.ZipFile(wheel) as archive:
-        return archive.read(relpath)
-
-
-def make_venv(path: Path, wheels: list[Path]) -> Path:
-    """A virtual environment at ``path`` with ``wheels`` installed by pip, without dependencies."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    python = path / "bin" / "python"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-         "--no-compile", "--disable-pip-version-check", *map(str, wheels)],
-        check=True,
-    )
-    return python
-
-
 @pytest.fixture(scope="session")
 def pristine_template(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> Path:
     root = tmp_path_factory.mktemp("template") / "venv"
     make_venv(root, [flashinfer_wheel, sglang_wheel])
     return root
-
-
-@dataclass
-class ServingEnv:
-    """A user's serving environment (real wheels, pip-installed) and their JIT cache base."""
-
-    root: Path
-    home: Path
-
-    @property
-    def python(self) -> Path:
-        return self.root / "bin" / "python"
-
-    @property
-    def site_packages(self) -> Path:
-        return next((self.root / "lib").glob("python3*/site-packages"))
-
-    def file(self, relpath: str) -> Path:
-        return self.site_packages / relpath
-
-    def record_mismatches(self) -> list[str]:
-        """Every file whose bytes differ from its distribution's RECORD hash."""
-        import csv
-
-        bad = []
-        for record in self.site_packages.glob("*.dist-info/RECORD"):
-            for row in csv.reader(record.read_text().splitlines()):
-                if not row or not row[1]:
-                    continue
-                data = (self.site_packages / row[0]).read_bytes()
-                import hashlib
-
-                if hashlib.sha256(data).hexdigest() != parse_record_hash(row[1]):
-                    bad.append(row[0])
-        return bad
-
-    def jit_entry(self, arch: str, module: str, version: str = FLASHINFER_VERSION) -> Path:
-        return self.home / ".cache" / "flashinfer" / version / arch / "cached_ops" / module
 
 
 @pytest.fixture
@@ -109,27 +52,18 @@ def serving_env(pristine_template, tmp_path) -> ServingEnv:
     return ServingEnv(root, home)
 
 
-@dataclass
-class Session:
-    """Runs sm120patch as the user would, against one serving environment."""
-
-    env: ServingEnv
-
-    def __call__(self, *args: str, target: bool = True):
-        extra = ["--python", str(self.env.python), "--jit-cache-base", str(self.env.home)] if target else []
-        argv = [*args[:1], *extra, *args[1:]] if args and target else list(args)
-        return CliRunner().invoke(cli, argv, catch_exceptions=False)
-
-
 @pytest.fixture
 def sm120patch(serving_env) -> Session:
     return Session(serving_env)
 
 
 @pytest.fixture(autouse=True)
-def _isolated_state(monkeypatch):
+def _isolated(monkeypatch, tmp_path_factory):
     monkeypatch.delenv("SM120PATCH_STATE_DIR", raising=False)
     monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)
+    home = tmp_path_factory.mktemp("home-of-the-tester")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 
 
 # Enough of FlashInfer 0.6.4's dependencies for `flashinfer.jit.comm` (DESIGN.md §5); torch
@@ -141,15 +75,26 @@ RUNTIME_REQUIREMENTS = ["torch==2.13.0", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0
 @pytest.fixture(scope="session")
 def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
     """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
-    dependencies it needs, then the real wheels without dependencies). Tests that patch it
-    revert before they end."""
+    dependencies it needs, then the real wheels without dependencies): one per test session,
+    removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
     root = tmp_path_factory.mktemp("runtime") / "venv"
     python = make_venv(root, [flashinfer_wheel, sglang_wheel])
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--disable-pip-version-check", *RUNTIME_REQUIREMENTS],
-        check=True,
-    )
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+                    "--disable-pip-version-check", *RUNTIME_REQUIREMENTS], check=True)
     home = root.parent / "home"
     home.mkdir()
-    return ServingEnv(root, home)
+    yield ServingEnv(root, home)
+    shutil.rmtree(root.parent, ignore_errors=True)
+
+
+# Tests that need the real upstream wheels (or torch, or a download): `make check` leaves
+# them out and runs the rest in well under a minute; `make test` runs everything.
+WHEEL_FIXTURES = {"flashinfer_wheel", "sglang_wheel", "wheel_cache", "pristine_template", "serving_env", "sm120patch",
+                  "runtime_env", "sandboxes"}
+NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if WHEEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in NEEDS_WHEELS:
+            item.add_marker(pytest.mark.wheels)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import Session
+from helpers import Session
 from sm120patch import bench
 from sm120patch.cli import cli
 from sm120patch.errors import CheckFailedError, ExitCode, RefusedError, TargetError, UsageError
@@ -64,7 +64,7 @@ def test_hidden_sizes_must_suit_the_kernel():
 def test_help_has_examples_and_exit_codes():
     result = CliRunner().invoke(cli, ["bench", "--help"])
     assert result.exit_code == 0
-    for text in ("Examples:", "sm120patch bench --python", "Exit codes:", "3  refused", "--strategy"):
+    for text in ("Examples:", "sm120patch bench --python", "Exit codes:", "3   refused", "--strategy"):
         assert text in result.output
 
 

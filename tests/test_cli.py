@@ -1,4 +1,5 @@
-"""The command line itself: help, exit codes, one-line errors, module entry point."""
+"""The command line itself: help with examples and each command's own exit codes, one-line
+errors with hints that work as printed, one selector grammar, a closed pipe is not an error."""
 
 from __future__ import annotations
 
@@ -6,22 +7,34 @@ import json
 import subprocess
 import sys
 
-from click.testing import CliRunner
+import pytest
 
+from helpers import COMM, changed, one_clear_error, run_cli, snapshot
 from sm120patch.cli import cli
 from sm120patch.errors import ExitCode
 
-
-def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+COMMANDS = ["status", "apply", "revert", "diff", "verify", "doctor", "bench", "build", "export", "list"]
 
 
-def test_help_lists_commands_and_exit_codes():
-    result = run("--help")
+def test_top_level_help_lists_every_command_uncut_with_examples_and_exit_codes():
+    result = run_cli("--help")
     assert result.exit_code == 0
-    for word in ("apply", "status", "revert", "Exit codes:", "3  refused"):
+    for word in [*COMMANDS, "Examples:", "Exit codes:", "130 interrupted"]:
         assert word in result.output
-    assert "--dry-run" in run("apply", "--help").output
+    commands = result.output.split("Commands:")[1].split("Examples:")[0]
+    assert "..." not in commands  # summaries are whole sentences, not cut off
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_examples_and_its_own_exit_codes(command):
+    text = run_cli(command, "--help").output
+    assert "Examples:" in text and f"sm120patch {command}" in text.split("Examples:")[1]
+    codes = text.split("Exit codes:")[1]
+    assert "  0 " in codes
+    if command in ("status", "apply", "revert", "verify", "doctor", "bench", "build"):
+        assert "130" in codes
+    if command == "revert":
+        assert "status" not in codes  # revert's own codes, not status's
 
 
 def test_python_dash_m_works():
@@ -30,34 +43,130 @@ def test_python_dash_m_works():
 
 
 def test_bad_python_is_one_line_and_exit_2(tmp_path):
-    result = run("status", "--python", str(tmp_path / "nope"))
+    result = run_cli("status", "--python", str(tmp_path / "nope"))
     assert result.exit_code == ExitCode.USAGE
     assert result.output.strip().splitlines() == [f"sm120patch: error: --python {tmp_path / 'nope'}: no such file"]
+
+
+def test_a_directory_as_python_is_exit_2_with_a_hint(tmp_path):
+    result = run_cli("status", "--python", str(tmp_path))
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, "is a directory")
+    assert f"hint: pass the interpreter inside it, e.g. --python {tmp_path / 'bin' / 'python'}" in result.output
+
+
+def test_a_program_that_is_not_python_is_exit_2():
+    result = run_cli("status", "--python", "/bin/ls")
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, "not a usable Python interpreter")
+    assert "flashinfer" not in result.output
+
+
+def test_a_missing_source_directory_says_so(tmp_path):
+    result = run_cli("status", "--source", str(tmp_path / "nope"))
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, "no such directory")
 
 
 def test_an_environment_without_our_packages(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
     python = str(tmp_path / "venv" / "bin" / "python")
-    status = run("status", "--python", python, "--json")
-    assert status.exit_code == ExitCode.NOT_PATCHED
+    status = run_cli("status", "--python", python, "--json")
+    assert status.exit_code == ExitCode.NOT_OK
     assert json.loads(status.output)["distributions"] == []
-    apply = run("apply", "--python", python)
+    apply = run_cli("apply", "--python", python)
     assert apply.exit_code == ExitCode.USAGE
-    assert "neither flashinfer-python nor sglang is installed" in apply.output
-    assert "Traceback" not in apply.output
+    one_clear_error(apply.output, "neither flashinfer-python nor sglang is installed")
 
 
-def test_unknown_option_is_a_usage_error():
-    assert run("apply", "--frobnicate").exit_code == 2
+def test_usage_errors_are_one_line_with_a_hint_and_keep_did_you_mean():
+    result = run_cli("stauts")
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, "No such command 'stauts'")
+    assert "Did you mean" in result.output and "status" in result.output
+    assert "Usage:" not in result.output
+    unknown = run_cli("apply", "--frobnicate")
+    assert unknown.exit_code == ExitCode.USAGE
+    one_clear_error(unknown.output, "--frobnicate")
+    assert "hint: `sm120patch apply --help`" in unknown.output
 
 
-def test_apply_json_is_a_document(sm120patch):
+def test_python_and_source_together_are_refused(tmp_path):
+    result = run_cli("status", "--python", sys.executable, "--source", str(tmp_path))
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, "two different targets")
+
+
+@pytest.mark.parametrize("command", ["status", "apply", "revert", "diff"])
+def test_one_selector_grammar_on_every_command(sm120patch, serving_env, command):
+    """--flashinfer alone, --flashinfer VER and --flashinfer=vVER mean the same everywhere."""
+    for args in (["--flashinfer"], ["--flashinfer", "0.6.4"], ["--flashinfer=v0.6.4"]):
+        result = sm120patch(command, *args)
+        assert result.exit_code in (0, 1), (args, result.output)
+        assert "sglang" not in result.output.replace("sglang 0.5.9 pins", "")
+    wrong = sm120patch(command, "--flashinfer", "0.6.5")
+    assert wrong.exit_code == ExitCode.USAGE
+    one_clear_error(wrong.output, "--flashinfer 0.6.5: ")
+    # The hint names this environment, so it works when copied as printed.
+    assert f"--python {serving_env.python}" in wrong.output and "--flashinfer 0.6.4" in wrong.output
+    bad = sm120patch(command, "--flashinfer", "latest")
+    assert bad.exit_code == ExitCode.USAGE
+    one_clear_error(bad.output, "--flashinfer latest: not a version")
+    serving_env.file(COMM).write_bytes(serving_env.file(COMM).read_bytes())  # nothing was applied by diff/status
+
+
+def test_with_names_valid_ids_and_refuses_required_ones(sm120patch, serving_env):
+    before = snapshot(serving_env)
+    unknown = sm120patch("apply", "--with", "nope")
+    assert unknown.exit_code == ExitCode.USAGE
+    one_clear_error(unknown.output, "--with nope: no such patch")
+    assert "auto-enable" in unknown.output and "symm-mem" in unknown.output
+    required = sm120patch("apply", "--sglang", "--with", "fusion-gate")
+    assert required.exit_code == ExitCode.USAGE
+    one_clear_error(required.output, "fusion-gate: required, so always applied")
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_apply_json_is_a_document_that_matches_the_files(sm120patch, serving_env):
+    before = {f: serving_env.file(f).read_bytes() for f in (COMM,)}
     result = sm120patch("apply", "--json")
+    assert result.exit_code == 0
     doc = json.loads(result.output)
-    assert doc["operation"] == "apply"
+    assert doc["operation"] == "apply" and doc["dry_run"] is False
     assert [r["name"] for r in doc["results"]] == ["flashinfer-python", "sglang"]
-    assert {f["file"] for f in doc["results"][0]["files"]} == {
-        "flashinfer/jit/comm.py",
-        "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
-        "flashinfer/data/csrc/trtllm_allreduce.cu",
-    }
+    files = {f["file"]: f for f in doc["results"][0]["files"]}
+    assert set(files) == {COMM, "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
+                          "flashinfer/data/csrc/trtllm_allreduce.cu"}
+    import hashlib
+
+    assert files[COMM]["after"] == hashlib.sha256(serving_env.file(COMM).read_bytes()).hexdigest()
+    assert files[COMM]["before"] == hashlib.sha256(before[COMM]).hexdigest()
+
+
+def test_diff_on_a_patched_environment_says_nothing_to_apply(sm120patch):
+    assert sm120patch("apply").exit_code == 0
+    result = sm120patch("diff")
+    assert result.exit_code == 0
+    assert "nothing to apply" in result.output and "already patched" in result.output
+
+
+def test_a_closed_pipe_is_not_an_error(serving_env):
+    """`sm120patch diff | head -1`: exits quietly, as git and pip do."""
+    proc = subprocess.run(
+        f"{sys.executable} -m sm120patch diff --python {serving_env.python} | head -1",
+        shell=True, capture_output=True, text=True, executable="/bin/bash",
+    )
+    assert proc.stdout.startswith("--- ") and proc.stderr == ""
+    status = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{sys.executable} -m sm120patch diff --python {serving_env.python} | head -1"],
+        capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+
+
+def test_list_shows_every_distribution_and_json_agrees():
+    text = run_cli("list")
+    assert text.exit_code == 0
+    assert "flashinfer-python" in text.output and "sglang" in text.output and "0.6.17" in text.output
+    doc = json.loads(run_cli("list", "--json").output)
+    assert set(doc) >= {"flashinfer-python", "sglang"}
+    assert "0.6.4" in json.dumps(doc["flashinfer-python"])

@@ -1,18 +1,15 @@
 """User sessions on a real environment: flashinfer-python 0.6.4 and sglang 0.5.9 wheels,
-pip-installed into a throwaway venv. Each test reads like what an operator types."""
+pip-installed into a throwaway venv. Each test reads like what an operator types, and checks
+what the tool says against a snapshot of every file of the environment, its state and its JIT
+cache, taken before and after."""
 
 from __future__ import annotations
 
 import ast
 import json
 
+from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, SERVER_ARGS, changed, snapshot
 from sm120patch.errors import ExitCode
-
-COMM = "flashinfer/jit/comm.py"
-HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
-LAMPORT = "flashinfer/data/csrc/trtllm_allreduce.cu"
-COMMUNICATOR = "sglang/srt/layers/communicator.py"
-SERVER_ARGS = "sglang/srt/server_args.py"
 
 
 def supported_majors(comm_py: str) -> list[int]:
@@ -34,9 +31,11 @@ def fusion_predicate_names(communicator_py: str) -> set[str]:
     raise AssertionError("no apply_flashinfer_allreduce_fusion")
 
 
-def test_status_on_a_fresh_install_says_not_patched(sm120patch):
+def test_status_on_a_fresh_install_says_not_patched(sm120patch, serving_env):
+    before = snapshot(serving_env)
     result = sm120patch("status")
-    assert result.exit_code == ExitCode.NOT_PATCHED
+    assert snapshot(serving_env) == before  # status changes nothing
+    assert result.exit_code == ExitCode.NOT_OK
     assert "flashinfer-python 0.6.4: not patched" in result.output
     assert "sglang 0.5.9: not patched" in result.output
     assert "pins flashinfer-python==0.6.3; 0.6.4 is installed" in result.output
@@ -45,10 +44,15 @@ def test_status_on_a_fresh_install_says_not_patched(sm120patch):
 def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, serving_env):
     assert serving_env.record_mismatches() == []
 
+    before = snapshot(serving_env)
     applied = sm120patch("apply", "--flashinfer", "0.6.4", "--sglang", "0.5.9")
     assert applied.exit_code == 0, applied.output
-    assert "flashinfer-python 0.6.4: patched 3 file(s)" in applied.output
-    assert "sglang 0.5.9: patched 1 file(s)" in applied.output
+    assert "flashinfer-python 0.6.4: patched 3 files" in applied.output
+    assert "sglang 0.5.9: patched 1 file\n" in applied.output
+    # What changed is exactly the four files it names, and sm120patch's own state beside them.
+    site = str(serving_env.site_packages)
+    assert {p for p in changed(before, snapshot(serving_env)) if ".sm120patch" not in p} == {
+        f"{site}/{rel}" for rel in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
 
     comm = serving_env.file(COMM).read_text()
     assert supported_majors(comm) == [9, 10, 12]
@@ -81,25 +85,30 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     reverted = sm120patch("revert")
     assert reverted.exit_code == 0, reverted.output
     assert serving_env.record_mismatches() == []
-    assert sm120patch("status").exit_code == ExitCode.NOT_PATCHED
+    assert sm120patch("status").exit_code == ExitCode.NOT_OK
+    assert snapshot(serving_env) == before  # byte-identical, and no state left behind
 
 
 def test_second_apply_changes_nothing(sm120patch, serving_env):
     assert sm120patch("apply").exit_code == 0
-    before = {p: serving_env.file(p).stat().st_mtime_ns for p in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
+    before = snapshot(serving_env)
+    mtimes = {p: serving_env.file(p).stat().st_mtime_ns for p in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
     again = sm120patch("apply")
     assert again.exit_code == 0
-    assert "nothing to change (already patched)" in again.output
-    assert {p: serving_env.file(p).stat().st_mtime_ns for p in before} == before
+    assert again.output.count("nothing to change (already patched)") == 2
+    assert snapshot(serving_env) == before
+    assert {p: serving_env.file(p).stat().st_mtime_ns for p in mtimes} == mtimes
 
 
 def test_dry_run_prints_a_diff_and_changes_nothing(sm120patch, serving_env):
+    serving_env.seed_jit()
+    before = snapshot(serving_env)
     result = sm120patch("apply", "--dry-run", "--with", "symm-mem")
     assert result.exit_code == 0
     assert "+        supported_major_versions=[9, 10, 12]" in result.output
     assert "+    12: {" in result.output
     assert result.output.count("-#if (defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && (__CUDA_ARCH__ < 1200))") == 13
-    assert serving_env.record_mismatches() == []
+    assert snapshot(serving_env) == before
 
 
 def test_apply_removes_only_trtllm_comm_from_the_jit_cache(sm120patch, serving_env):
@@ -114,13 +123,21 @@ def test_apply_removes_only_trtllm_comm_from_the_jit_cache(sm120patch, serving_e
     other_version = serving_env.jit_entry("120a", "trtllm_comm", version="0.6.3")
     other_version.mkdir(parents=True)
 
+    before = snapshot(serving_env)
     result = sm120patch("apply", "--flashinfer", "0.6.4")
     assert result.exit_code == 0
-    assert result.output.count("removed stale JIT cache entry") == 2
+    assert result.output.count("  removed stale entry ") == 2
+    assert f"JIT cache base: {serving_env.home} (--jit-cache-base)" in result.output
     assert not serving_env.jit_entry("120a", "trtllm_comm").exists()
     assert not serving_env.jit_entry("90a_120a", "trtllm_comm").exists()
     assert all((entry / f"{entry.name}.so").exists() for entry in kept)
     assert other_version.exists()  # another release's cache is not ours to touch
+    # In the cache: the two entries went, and FlashInfer's build lock of each arch directory
+    # (which sm120patch holds while it removes them) exists; nothing else.
+    cache = {p for p in changed(before, snapshot(serving_env)) if p.startswith(str(serving_env.home))}
+    assert {p for p in cache if "/cached_ops/tmp" not in p} == {
+        str(serving_env.jit_entry(arch, "trtllm_comm")) + suffix
+        for arch in ("120a", "90a_120a") for suffix in ("", "/trtllm_comm.so")}
 
 
 def test_sglang_only_apply_keeps_the_jit_cache(sm120patch, serving_env):
@@ -135,7 +152,7 @@ def test_opt_in_patches_need_with(sm120patch, serving_env):
     assert "is_sm120_supported()" not in serving_env.file(SERVER_ARGS).read_text().split("def _handle_model_specific_adjustments")[1][:6000]
     result = sm120patch("apply", "--sglang", "0.5.9", "--with", "auto-enable")
     assert result.exit_code == 0, result.output
-    assert "sglang 0.5.9: patched 1 file(s)" in result.output  # communicator.py untouched
+    assert "sglang 0.5.9: patched 1 file\n" in result.output  # communicator.py untouched
     assert "or is_sm120_supported())" in serving_env.file(SERVER_ARGS).read_text()
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == []
@@ -151,11 +168,12 @@ def test_version_selector_must_match_the_installed_release(sm120patch, serving_e
 def test_hand_edited_file_is_refused_then_forced(sm120patch, serving_env):
     path = serving_env.file(HEADER)
     path.write_text(path.read_text().replace("(__CUDA_ARCH__ < 1200)", "(__CUDA_ARCH__ < 1300)", 1))
+    before = snapshot(serving_env)
     refused = sm120patch("apply", "--flashinfer", "0.6.4")
     assert refused.exit_code == ExitCode.REFUSED
     assert "is not the 0.6.4 release's bytes" in refused.output
     assert "--force" in refused.output
-    assert serving_env.record_mismatches() == [HEADER]  # nothing else was touched
+    assert snapshot(serving_env) == before  # nothing was touched
 
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED
@@ -178,8 +196,9 @@ def test_reinstall_that_dropped_the_patches_is_reported(sm120patch, serving_env,
         check=True,
     )
     status = sm120patch("status")
-    assert "pip reinstalled the package" in status.output
-    assert "jit-gate" in status.output
+    assert status.exit_code == ExitCode.NOT_OK
+    assert "jit-gate, pdl-gates, lamport-stride had been applied; the files are the release's again " \
+           "(the package was reinstalled)" in status.output
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == []
@@ -193,7 +212,8 @@ def test_aot_module_that_shadows_the_patched_sources_is_reported(sm120patch, ser
     assert f"AOT: {aot}" in status.output
     assert "uninstall flashinfer-jit-cache" in status.output
     applied = sm120patch("apply")
-    assert "warning: prebuilt" in applied.output
+    assert applied.exit_code == 0
+    assert f"warning: prebuilt {aot} (flashinfer/data/aot)" in applied.output
 
 
 def test_flashinfer_jit_cache_with_a_prebuilt_trtllm_comm_is_reported(sm120patch, serving_env):
@@ -216,11 +236,15 @@ def test_revert_of_a_file_edited_after_patching_is_refused(sm120patch, serving_e
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
     path = serving_env.file(COMM)
     path.write_text(path.read_text() + "\n# local tweak\n")
+    before = snapshot(serving_env)
     result = sm120patch("revert")
     assert result.exit_code == ExitCode.REFUSED
     assert "+# local tweak" in result.output  # the drift is shown as a diff
+    assert "flashinfer-python 0.6.4 was not reverted" in result.output
+    assert snapshot(serving_env) == before  # refused: as it was
     assert sm120patch("revert", "--force").exit_code == 0
     assert serving_env.record_mismatches() == []
+    assert not serving_env.state_root.exists()
 
 
 def test_patched_file_keeps_its_mode(sm120patch, serving_env):

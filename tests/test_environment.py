@@ -1,13 +1,25 @@
-"""Locating the target: the probe runs in the target interpreter; bad --python is clear."""
+"""Locating the target: the probe runs in the target interpreter; a bad --python is one clear
+error; an install is identified by its .dist-info, and its files are read only where RECORD says."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
-from sm120patch.environment import InstalledFiles, locate, normalize_relpath, parse_record_hash
-from sm120patch.errors import RefusedError, TargetError
+from helpers import COMM
+from sm120patch.distributions import load_registry
+from sm120patch.environment import parse_record_hash, resolve_python, start_probe
+from sm120patch.errors import TargetError
+from sm120patch.patchsets import normalize_relpath
+from sm120patch.trees import InstalledTree
+
+REGISTRY = load_registry(check_rewriters=False)
+
+
+def probe(python=None):
+    return start_probe(python, REGISTRY.wanted_rows()).result()
 
 
 def test_record_hashes_decode_to_hex():
@@ -18,35 +30,48 @@ def test_record_hashes_decode_to_hex():
 
 
 def test_probe_reports_the_target_interpreter_and_its_distributions(serving_env):
-    env = locate(serving_env.python)
+    env = probe(serving_env.python)
     assert env.prefix == serving_env.root
     flashinfer = env.get("flashinfer-python")
     assert flashinfer.raw_version == "0.6.4"
-    assert flashinfer.location == serving_env.site_packages
-    assert "flashinfer/jit/comm.py" in flashinfer.record
+    assert flashinfer.site_dir == serving_env.site_packages
+    assert flashinfer.dist_info == serving_env.dist_info("flashinfer_python")
+    assert flashinfer.installer == "pip"
+    # Only the rows the patch sets need come back (FlashInfer's RECORD has about 2,000).
+    assert COMM in flashinfer.record and len(flashinfer.record) == 3
     assert env.get("sglang").pinned_version_of("flashinfer-python") == "0.6.3"
     assert env.get("flashinfer-jit-cache") is None
-    assert env.state_root(flashinfer) == serving_env.root / "share" / "sm120patch"
+    tree = InstalledTree(env, flashinfer, REGISTRY.get("flashinfer-python"))
+    assert tree.state.root == serving_env.site_packages / ".sm120patch" / flashinfer.dist_info.name
 
 
 def test_a_relative_python_path_is_the_venv_not_its_base_interpreter(serving_env, monkeypatch):
     monkeypatch.chdir(serving_env.root)
-    env = locate("bin/python")
+    env = probe("bin/python")
     assert env.prefix == serving_env.root
     assert env.get("flashinfer-python") is not None
 
 
+def test_a_bare_name_is_looked_up_on_path_like_a_shell_does(serving_env, monkeypatch):
+    monkeypatch.setenv("PATH", f"{serving_env.root / 'bin'}:/usr/bin:/bin")
+    assert resolve_python("python") == str(serving_env.root / "bin" / "python")
+    with pytest.raises(TargetError, match="--python no-such-python: not found on PATH"):
+        resolve_python("no-such-python")
+
+
 def test_default_target_is_this_interpreter():
-    assert locate().executable.resolve() == __import__("pathlib").Path(sys.executable).resolve()
+    assert probe().executable.resolve() == Path(sys.executable).resolve()
 
 
 @pytest.mark.parametrize("python, message", [
     ("/nonexistent/python3", "no such file"),
     ("/bin/true", "not a usable Python interpreter"),
+    ("/bin/ls", "not a usable Python interpreter"),
 ])
 def test_a_bad_python_is_a_target_error(python, message):
-    with pytest.raises(TargetError, match=message):
-        locate(python)
+    with pytest.raises(TargetError, match=message) as caught:
+        probe(python)
+    assert "flashinfer" not in caught.value.message  # nothing of what /bin/ls printed leaks into it
 
 
 def test_a_file_that_is_no_program_is_a_target_error(tmp_path):
@@ -54,12 +79,13 @@ def test_a_file_that_is_no_program_is_a_target_error(tmp_path):
     text.write_text("just text\n")
     text.chmod(0o755)
     with pytest.raises(TargetError, match="could not run it"):
-        locate(text)
+        probe(text)
 
 
 def test_a_directory_is_not_a_python(tmp_path):
-    with pytest.raises(TargetError, match="not an executable file"):
-        locate(tmp_path)
+    with pytest.raises(TargetError, match="is a directory") as caught:
+        probe(tmp_path)
+    assert caught.value.hint and "bin/python" in caught.value.hint
 
 
 @pytest.mark.parametrize("relpath", ["../x", "/abs", "a/../../b", ""])
@@ -68,21 +94,32 @@ def test_unsafe_relpaths(relpath):
         normalize_relpath(relpath)
 
 
-def test_edits_are_confined_to_record_listed_files(serving_env):
-    tree = InstalledFiles(locate(serving_env.python).get("flashinfer-python"))
-    assert tree.absolute("flashinfer/jit/comm.py") == serving_env.file("flashinfer/jit/comm.py")
-    with pytest.raises(RefusedError, match="not listed in flashinfer-python's RECORD"):
-        tree.absolute("flashinfer/not_in_record.py")
-    with pytest.raises(RefusedError, match="not a safe relative path"):
-        tree.absolute("../../../etc/passwd")
+def tree_of(serving_env) -> InstalledTree:
+    env = probe(serving_env.python)
+    return InstalledTree(env, env.get("flashinfer-python"), REGISTRY.get("flashinfer-python"))
 
 
-def test_a_symlinked_target_file_is_refused(serving_env, tmp_path):
-    path = serving_env.file("flashinfer/jit/comm.py")
+def test_reads_are_confined_to_record_listed_files(serving_env):
+    tree = tree_of(serving_env)
+    assert tree.read(COMM).data == serving_env.file(COMM).read_bytes()
+    assert "not listed in flashinfer-python's RECORD" in tree.read("flashinfer/not_in_record.py").problem
+    assert "not a safe relative path" in tree.read("../../../etc/passwd").problem
+
+
+def test_a_symlinked_file_is_read_as_a_link(serving_env, tmp_path):
+    path = serving_env.file(COMM)
     elsewhere = tmp_path / "comm.py"
     elsewhere.write_bytes(path.read_bytes())
     path.unlink()
     path.symlink_to(elsewhere)
-    tree = InstalledFiles(locate(serving_env.python).get("flashinfer-python"))
-    with pytest.raises(RefusedError, match="symbolic link"):
-        tree.absolute("flashinfer/jit/comm.py")
+    read = tree_of(serving_env).read(COMM)
+    assert read.link == str(elsewhere) and read.data == elsewhere.read_bytes() and read.problem is None
+
+
+def test_a_symlinked_parent_directory_is_refused(serving_env, tmp_path):
+    jit = serving_env.file("flashinfer/jit")
+    moved = tmp_path / "jit"
+    jit.rename(moved)
+    jit.symlink_to(moved)
+    read = tree_of(serving_env).read(COMM)
+    assert "leads outside" in read.problem

@@ -1,8 +1,11 @@
 """Kill sm120patch (SIGKILL) at every write-related system call of apply and of revert, and
 fail every write and rename (ENOSPC, EIO), one run per point, from outside the process with
-strace. After each run, every touched file is exactly pristine or exactly patched, no
-original is lost, no trtllm_comm JIT entry outlives the sources it was built from, and the
-next command brings the environment to a consistent state."""
+strace. One run touches FlashInfer and SGLang (one transaction over both). After each kill
+every file is exactly pristine or exactly patched, no original is lost, no trtllm_comm JIT
+entry is in place beside sources other than those it was built from, status calls the state
+what it is, and the next command (the same one, or the opposite) brings the environment wholly
+to one state. After each injected error the whole environment, its state and its JIT cache
+are byte for byte as before."""
 
 from __future__ import annotations
 
@@ -17,26 +20,22 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import ServingEnv, wheel_file
+from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
 from sm120patch.manifests import load_manifest
-from sm120patch.state import DistributionState
 
 STRACE = shutil.which("strace")
-pytestmark = pytest.mark.skipif(STRACE is None, reason="strace is not installed (.ci/run installs it)")
 
 # Every system call that creates, writes, renames, removes or re-modes a file or directory.
 WRITE_SYSCALLS = (
-    "write,pwrite64,openat,rename,renameat,renameat2,unlink,unlinkat,rmdir,mkdir,mkdirat,"
-    "fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
+    "write,pwrite64,openat,rename,renameat,renameat2,unlink,unlinkat,rmdir,mkdir,mkdirat,link,linkat,"
+    "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
 TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
-FILES = (
-    "flashinfer/jit/comm.py",
-    "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
-    "flashinfer/data/csrc/trtllm_allreduce.cu",
-)
+FILES = {COMM: "flashinfer-python", HEADER: "flashinfer-python", LAMPORT: "flashinfer-python", COMMUNICATOR: "sglang"}
 WORKERS = max(1, min(4, os.cpu_count() or 1))
-SELECT = {"apply": ["--flashinfer", "0.6.4"], "revert": ["--flashinfer"]}
+SELECT = ["--flashinfer", "0.6.4", "--sglang", "0.5.9"]
+OPPOSITE = {"apply": "revert", "revert": "apply"}
+STATE_OF = {"apply": "patched", "revert": "pristine"}
 
 
 def sha(data: bytes) -> str:
@@ -51,28 +50,24 @@ class Sandbox:
     pristine: dict[str, bytes]
 
     @property
-    def state(self) -> DistributionState:
-        return DistributionState(self.env.root / "share" / "sm120patch" / "flashinfer-python")
+    def journal(self):
+        return self.env.state_root / "journal.json"
 
     def argv(self, command: str) -> list[str]:
         return [sys.executable, "-m", "sm120patch", command, "--python", str(self.env.python),
-                "--jit-cache-base", str(self.env.home), *SELECT[command]]
+                "--jit-cache-base", str(self.env.home), *([] if command == "status" else SELECT)]
 
     def reset(self, *, patched: bool) -> None:
-        shutil.rmtree(self.env.root / "share", ignore_errors=True)
+        shutil.rmtree(self.env.state_root, ignore_errors=True)
         shutil.rmtree(self.env.home / ".cache", ignore_errors=True)
         for relpath, data in self.pristine.items():
             self.env.file(relpath).write_bytes(data)
         if patched:
             self.run("apply")
-        for arch in ("90a", "90a_120a"):  # entries as a server built them, after the last change
-            for module in ("trtllm_comm", "norm"):
-                entry = self.env.jit_entry(arch, module)
-                entry.mkdir(parents=True)
-                (entry / f"{module}.so").write_bytes(b"\x7fELF")
+        self.env.seed_jit()  # entries as a server built them, from the sources as they are now
 
-    def points(self, command: str) -> list[tuple[str, int]]:
-        """(syscall, n): the n-th call of that syscall touched the environment or its cache."""
+    def points(self, command: str) -> list[tuple[str, int, str]]:
+        """(syscall, n, args): the n-th call of that syscall touched the environment or its cache."""
         trace = self.env.root.parent / f"trace-{command}.txt"
         subprocess.run([STRACE, "-qq", "-y", "-o", str(trace), "-e", f"trace={WRITE_SYSCALLS}", *self.argv(command)],
                        check=True, capture_output=True, env=quiet_env())
@@ -90,13 +85,14 @@ class Sandbox:
                 continue
             if syscall == "openat" and not re.search(r"O_WRONLY|O_RDWR|O_CREAT", args):
                 continue
-            points.append((syscall, counts[syscall]))
+            points.append((syscall, counts[syscall], args))
         return points
 
     def run(self, command: str) -> subprocess.CompletedProcess:
         """The command as a user runs it (a process of its own: the workers run in threads)."""
         proc = subprocess.run(self.argv(command), capture_output=True, text=True, env=quiet_env())
-        assert proc.returncode == 0, f"{command} failed: {proc.stderr}"
+        if command != "status":
+            assert proc.returncode == 0, f"{command} failed: {proc.stderr}"
         return proc
 
     def run_injected(self, command: str, syscall: str, n: int, action: str) -> subprocess.CompletedProcess:
@@ -107,30 +103,31 @@ class Sandbox:
         )
 
     def file_states(self) -> dict[str, str]:
-        manifest = load_manifest("flashinfer-python", "0.6.4")
         states = {}
-        for relpath in FILES:
+        for relpath, name in FILES.items():
+            manifest = load_manifest(name, "0.6.4" if name == "flashinfer-python" else "0.5.9")
             digest = sha(self.env.file(relpath).read_bytes())
             expected = manifest.files[relpath]
             states[relpath] = ("pristine" if digest == expected.pristine
                                else "patched" if digest in expected.patched.values() else "MIXED")
         return states
 
-    def check_consistent(self, where: str) -> dict[str, str]:
+    def check_consistent(self, where: str, built_for: str) -> dict[str, str]:
+        """Each file wholly pristine or patched; each patched file's original kept; a JIT entry
+        in place only beside the sources it was built from (``built_for``)."""
         states = self.file_states()
         assert "MIXED" not in states.values(), f"{where}: a file is neither pristine nor patched: {states}"
         for relpath, state in states.items():
             if state == "patched":
-                original = self.state.original(relpath)
+                prefix = "flashinfer_python" if FILES[relpath] == "flashinfer-python" else "sglang"
+                original = self.env.state(prefix).original(relpath)
                 assert original.exists() and original.read_bytes() == self.pristine[relpath], \
                     f"{where}: {relpath} is patched but its original is lost"
-        if "patched" in states.values():
-            newest = max(self.env.file(r).stat().st_mtime for r in FILES)
-            for arch in ("90a", "90a_120a"):
-                entry = self.env.jit_entry(arch, "trtllm_comm")
-                if entry.exists():
-                    assert all(p.stat().st_mtime >= newest for p in entry.rglob("*") if p.is_file()) or \
-                        self.state.journal_path.exists(), f"{where}: {entry} was built from other sources"
+        flashinfer = {states[r] for r in (COMM, HEADER, LAMPORT)}
+        for arch in ("90a", "90a_120a"):
+            entry = self.env.jit_entry(arch, "trtllm_comm")
+            if entry.exists():
+                assert flashinfer == {built_for}, f"{where}: {entry} is in place beside other sources ({states})"
         return states
 
 
@@ -140,8 +137,10 @@ def quiet_env() -> dict[str, str]:
 
 
 @pytest.fixture
-def sandboxes(pristine_template, tmp_path, flashinfer_wheel):
-    pristine = {relpath: wheel_file(flashinfer_wheel, relpath) for relpath in FILES}
+def sandboxes(pristine_template, tmp_path, flashinfer_wheel, sglang_wheel):
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    pristine = {relpath: wheel_file(flashinfer_wheel if name == "flashinfer-python" else sglang_wheel, relpath)
+                for relpath, name in FILES.items()}
     boxes = []
     for i in range(WORKERS):
         root = tmp_path / f"box{i}" / "venv"
@@ -152,39 +151,58 @@ def sandboxes(pristine_template, tmp_path, flashinfer_wheel):
 
 
 def spread(boxes: list[Sandbox], points: list, work) -> list[str]:
-    """Run ``work(box, point)`` for every point, one sandbox per worker; collect failures."""
-    chunks = [points[i::len(boxes)] for i in range(len(boxes))]
+    """Run ``work(box, index, point)`` for every point, one sandbox per worker; collect failures."""
+    chunks = [list(enumerate(points))[i::len(boxes)] for i in range(len(boxes))]
 
     def run_chunk(box_and_chunk):
         box, chunk = box_and_chunk
         failures = []
-        for point in chunk:
+        for index, point in chunk:
             try:
-                work(box, point)
+                work(box, index, point)
             except AssertionError as exc:
-                failures.append(f"{point}: {exc}")
+                failures.append(f"{point[:2]}: {exc}")
         return failures
 
     with ThreadPoolExecutor(len(boxes)) as pool:
         return [f for failures in pool.map(run_chunk, zip(boxes, chunks)) for f in failures]
 
 
-@pytest.mark.parametrize("command, before, after", [("apply", False, "patched"), ("revert", True, "pristine")])
-def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, after, record_property):
+def covers(points: list, command: str) -> None:
+    """The traced run wrote every kind of thing a run writes: losing a class of kill points
+    fails here, not silently."""
+    touched = " ".join(args for _, _, args in points)
+    wanted = ["journal.json", "/stash/", "trtllm_comm", "sm120patch-aside", *FILES]
+    wanted += ["/originals/", "ledger.json"] if command == "apply" else []
+    missing = [w for w in wanted if w not in touched]
+    assert missing == [], f"the {command} trace never touches {missing}"
+
+
+@pytest.mark.parametrize("command, before", [("apply", False), ("revert", True)])
+def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, record_property):
     sandboxes[0].reset(patched=before)
     points = sandboxes[0].points(command)
-    assert len(points) >= 40, points  # the journal, stash, originals, files, state and cache all count
+    covers(points, command)
+    built_for = "patched" if before else "pristine"
 
-    def kill_at(box: Sandbox, point) -> None:
-        syscall, n = point
+    def kill_at(box: Sandbox, index: int, point) -> None:
+        syscall, n, _ = point
         box.reset(patched=before)
         proc = box.run_injected(command, syscall, n, "signal=KILL")
         assert proc.returncode in (-9, 137), f"not killed (exit {proc.returncode}): the point was not reached"
-        box.check_consistent(f"killed at {syscall} #{n}")
-        box.run(command)  # the next command
-        states = box.check_consistent(f"after the next {command}")
-        assert set(states.values()) == {after}, f"after the next {command}: {states}"
-        assert not box.state.journal_path.exists()
+        where = f"killed at {syscall} #{n}"
+        box.check_consistent(where, built_for)
+        status = box.run("status")
+        if box.journal.exists():  # interrupted: status says so, exit 3
+            assert status.returncode == 3 and "an interrupted" in status.stdout, f"{where}: status: {status.stdout}"
+        else:
+            assert status.returncode in (0, 1), f"{where}: status exit {status.returncode}: {status.stderr}"
+        # The next command: the same one half the time, the opposite one the other half.
+        nxt = command if index % 2 == 0 else OPPOSITE[command]
+        box.run(nxt)
+        states = box.check_consistent(f"{where}, then {nxt}", built_for)
+        assert set(states.values()) == {STATE_OF[nxt]}, f"{where}, then {nxt}: {states}"
+        assert not box.journal.exists() and not (box.env.state_root / "stash").exists()
 
     failures = spread(sandboxes, points, kill_at)
     record_property(f"sigkill_points_{command}", len(points))
@@ -193,28 +211,26 @@ def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, afte
 
 
 @pytest.mark.parametrize("command, before", [("apply", False), ("revert", True)])
-def test_enospc_and_eio_on_every_write_and_rename_roll_back(sandboxes, command, before, record_property):
+def test_enospc_and_eio_on_every_write_and_rename_change_nothing(sandboxes, command, before, record_property):
     sandboxes[0].reset(patched=before)
     points = [(s, n, "error=ENOSPC" if s.startswith("write") or s == "pwrite64" else "error=EIO")
-              for s, n in sandboxes[0].points(command) if s in ("write", "pwrite64", "rename", "renameat", "renameat2")]
-    assert len(points) >= 10, points
+              for s, n, _ in sandboxes[0].points(command)
+              if s in ("write", "pwrite64", "rename", "renameat", "renameat2", "link", "linkat")]
+    assert {s for s, _, _ in points} >= {"write", "rename"}, points
 
-    def fail_at(box: Sandbox, point) -> None:
+    def fail_at(box: Sandbox, index: int, point) -> None:
         syscall, n, action = point
         box.reset(patched=before)
-        files_before = {r: box.env.file(r).read_bytes() for r in FILES}
-        applied_before = box.state.applied_path.read_bytes() if box.state.applied_path.exists() else None
+        before_snapshot = snapshot(box.env)
         proc = box.run_injected(command, syscall, n, action)
         where = f"{action} at {syscall} #{n}"
         assert proc.returncode == 4, f"{where}: exit {proc.returncode}: {proc.stderr}"
         assert "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
         assert proc.stderr.startswith("sm120patch: error: "), f"{where}: {proc.stderr}"
         message = "No space left on device" if "ENOSPC" in action else "Input/output error"
-        assert message in proc.stderr, f"{where}: {proc.stderr}"
-        assert {r: box.env.file(r).read_bytes() for r in FILES} == files_before, f"{where}: files changed"
-        applied_now = box.state.applied_path.read_bytes() if box.state.applied_path.exists() else None
-        assert applied_now == applied_before, f"{where}: the applied record changed"
-        assert not box.state.journal_path.exists(), f"{where}: a journal was left behind"
+        assert message in proc.stderr and "()" not in proc.stderr, f"{where}: {proc.stderr}"
+        diff = changed(before_snapshot, snapshot(box.env))
+        assert diff == [], f"{where}: changed {diff}"
 
     failures = spread(sandboxes, points, fail_at)
     record_property(f"error_points_{command}", len(points))

@@ -4,7 +4,6 @@ and after)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -13,40 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ServingEnv
+from helpers import COMM, HEADER, ROOT, ServingEnv, changed, need, one_clear_error, sm120patch_argv, snapshot
 from sm120patch.errors import ExitCode
-from sm120patch.state import DistributionState
-
-ROOT = Path(__file__).resolve().parents[1]
-COMM = "flashinfer/jit/comm.py"
-HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
-
-
-def snapshot(env: ServingEnv) -> dict[str, str]:
-    """Every path under the packages, the JIT cache base and sm120patch's state (but its empty
-    lock file, which only says that a run happened), with file hashes."""
-    return {
-        str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else "link-or-dir"
-        for base in (env.site_packages, env.root / "share", env.home)
-        for p in sorted(base.rglob("*"))
-        if p.name != "lock" and not (p.is_dir() and p.name in ("share", "sm120patch"))
-    }
-
-
-def one_clear_error(output: str, text: str) -> None:
-    lines = [line for line in output.splitlines() if line.startswith("sm120patch: error:")]
-    assert len(lines) == 1 and text in lines[0], output
-    assert "Traceback" not in output
 
 
 def seed_jit_cache(env: ServingEnv) -> None:
-    entry = env.jit_entry("120a", "trtllm_comm")
-    entry.mkdir(parents=True)
-    (entry / "trtllm_comm.so").write_bytes(b"\x7fELF")
-
-
-def flashinfer_state(env: ServingEnv) -> DistributionState:
-    return DistributionState(env.root / "share" / "sm120patch" / "flashinfer-python")
+    env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
 
 
 def test_a_deleted_target_file(sm120patch, serving_env):
@@ -58,7 +29,7 @@ def test_a_deleted_target_file(sm120patch, serving_env):
     result = sm120patch("apply")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "trtllm_allreduce.cuh is missing")
-    assert snapshot(serving_env) == before
+    assert changed(before, snapshot(serving_env)) == []
 
 
 def test_a_target_replaced_by_a_symlink(sm120patch, serving_env, tmp_path):
@@ -72,71 +43,78 @@ def test_a_target_replaced_by_a_symlink(sm120patch, serving_env, tmp_path):
     result = sm120patch("apply")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "is a symbolic link")
-    assert snapshot(serving_env) == before and decoy.read_bytes() == decoy_bytes
+    assert "never writes through a link" in result.output
+    assert changed(before, snapshot(serving_env)) == [] and decoy.read_bytes() == decoy_bytes
 
 
 @pytest.mark.parametrize("damage", ["corrupted", "truncated", "deleted"])
-def test_a_damaged_saved_original_stops_revert(sm120patch, serving_env, damage):
+def test_a_damaged_saved_original_is_replaced_by_the_release_wheel(sm120patch, serving_env, damage):
+    """Revert restores the release's bytes even without a good saved original: from the release
+    wheel (sm120patch's wheel cache here), its file checked against the installed RECORD."""
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
-    original = flashinfer_state(serving_env).original(HEADER)
+    original = serving_env.state().original(HEADER)
     if damage == "corrupted":
         original.write_bytes(original.read_bytes().replace(b"1200", b"1300", 1))
     elif damage == "truncated":
         original.write_bytes(original.read_bytes()[:1000])
     else:
         original.unlink()
-    before = snapshot(serving_env)
     result = sm120patch("revert")
-    assert result.exit_code == ExitCode.REFUSED
-    one_clear_error(result.output, "saved original is missing or corrupt")
-    assert "pip install --force-reinstall --no-deps flashinfer-python==0.6.4" in result.output
-    assert snapshot(serving_env) == before
+    assert result.exit_code == 0, result.output
+    assert f"{HEADER}" in result.output and "release wheel flashinfer_python-0.6.4-py3-none-any.whl" in result.output
+    assert serving_env.record_mismatches() == []
+    assert not serving_env.state_root.exists()
 
 
 def test_a_corrupted_journal(sm120patch, serving_env):
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
-    state = flashinfer_state(serving_env)
-    state.journal_path.write_text('{"operation": "apply", "files": [{"relp')
+    (serving_env.state_root / "journal.json").write_text('{"operation": "apply", "files": [{"relp')
     before = snapshot(serving_env)
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED
     assert "unreadable journal" in status.output
-    for command in ("apply", "revert"):
-        result = sm120patch(command)
-        assert result.exit_code == ExitCode.FAILED
+    for command in ("apply", "revert", "apply --dry-run"):
+        result = sm120patch(*command.split())
+        assert result.exit_code in (ExitCode.FAILED, ExitCode.REFUSED)
         one_clear_error(result.output, "journal")
-        assert snapshot(serving_env) == before
+        assert f"revert --force --python {serving_env.python}" in result.output  # the way out, for this env
+        assert changed(before, snapshot(serving_env)) == []
+    # The way out the hint gives works, and leaves the release's bytes.
+    assert sm120patch("revert", "--force").exit_code == 0
+    assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
 
 
 def write_data_dir(tmp_path: Path, toml_text: str) -> Path:
     data = tmp_path / "data"
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
-    (data / "patches").mkdir(parents=True)
-    (data / "patches" / "flashinfer-python.toml").write_text(toml_text)
+    shutil.copytree(ROOT / "patches", data / "patches")
+    (data / "patches" / "flashinfer-python" / "0.5.0.toml").write_text(toml_text)
     return data
 
 
+SET = ROOT / "patches" / "flashinfer-python" / "0.5.0.toml"
+
+
 @pytest.mark.parametrize("mangle, message", [
-    (lambda text: text.replace('distribution = "flashinfer-python"', 'distribution = "flashinfer-python'), "not valid TOML"),
+    (lambda text: text.replace('versions = [', 'versions = [[', 1), "not valid TOML"),
     (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "../../../../etc/passwd"'),
      "not a safe relative path"),
     (lambda text: text.replace('file = "flashinfer/jit/comm.py"', 'file = "/etc/passwd"'), "not a safe relative path"),
     (lambda text: text.replace('"python.extend-list-argument"', '"python.exec"'), "unknown rewriter"),
+    (lambda text: text.replace('check = "jit-gate"', 'check = "always-true"'), "no semantic check named"),
 ])
 def test_malformed_patch_data(sm120patch, serving_env, tmp_path, monkeypatch, mangle, message):
-    text = (ROOT / "patches" / "flashinfer-python.toml").read_text()
-    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, mangle(text))))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, mangle(SET.read_text()))))
     before = snapshot(serving_env)
     result = sm120patch("apply", "--flashinfer", "0.6.4")
     assert result.exit_code == ExitCode.USAGE
     one_clear_error(result.output, message)
-    assert snapshot(serving_env) == before
+    assert changed(before, snapshot(serving_env)) == []
 
 
 def test_patch_data_is_parsed_never_executed(sm120patch, serving_env, tmp_path, monkeypatch):
     canary = tmp_path / "executed"
-    text = (ROOT / "patches" / "flashinfer-python.toml").read_text().replace(
-        'value = "12"', f'value = "__import__(\'os\').system(\'touch {canary}\')"')
+    text = SET.read_text().replace('value = "12"', f'value = "__import__(\'os\').system(\'touch {canary}\')"')
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(write_data_dir(tmp_path, text)))
     before = snapshot(serving_env)
     for extra in (["--dry-run"], []):
@@ -146,12 +124,11 @@ def test_patch_data_is_parsed_never_executed(sm120patch, serving_env, tmp_path, 
         assert refused.exit_code == ExitCode.USAGE
         one_clear_error(refused.output, "the rewriters produced bytes the vendor manifest does not expect")
     assert not canary.exists()
-    assert snapshot(serving_env) == before
+    assert changed(before, snapshot(serving_env)) == []
 
 
 def test_owner_and_mode_of_patched_files_are_kept(sm120patch, serving_env):
-    if os.geteuid() != 0:
-        pytest.skip("changing a file's owner needs root")
+    need(os.geteuid() == 0, "changing a file's owner needs root")
     path = serving_env.file(COMM)
     os.chown(path, 65534, 65534)
     path.chmod(0o604)
@@ -161,31 +138,25 @@ def test_owner_and_mode_of_patched_files_are_kept(sm120patch, serving_env):
     assert (path.stat().st_uid, path.stat().st_gid, path.stat().st_mode & 0o777) == (65534, 65534, 0o604)
 
 
-def sm120patch_argv(env: ServingEnv, *args: str, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "sm120patch", args[0], "--python", str(env.python), "--jit-cache-base", str(env.home), *args[1:]]
-
-
 def test_a_read_only_site_packages(serving_env):
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("a read-only bind mount needs root and unshare")
+    need(os.geteuid() == 0 and shutil.which("unshare") is not None, "a read-only bind mount needs root and unshare")
     seed_jit_cache(serving_env)
     before = snapshot(serving_env)
     sp = serving_env.site_packages
     script = f"mount --bind '{sp}' '{sp}' && mount -o remount,bind,ro '{sp}' && exec \"$@\""
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *sm120patch_argv(serving_env, "apply")],
                           capture_output=True, text=True)
-    if "mount:" in proc.stderr:
-        pytest.skip(f"cannot make a read-only mount here: {proc.stderr.strip()}")
+    need("mount:" not in proc.stderr, f"cannot make a read-only mount here: {proc.stderr.strip()}")
     assert proc.returncode == ExitCode.FAILED, proc.stderr
     one_clear_error(proc.stderr, "read-only file system; nothing was changed")
-    assert snapshot(serving_env) == before  # the JIT cache entry too: checked before it is touched
+    assert changed(before, snapshot(serving_env)) == []  # the JIT cache entry too: checked before it is touched
 
 
 def test_permission_denied_for_another_users_environment(tmp_path, flashinfer_wheel, sglang_wheel):
     """The environment belongs to root; sm120patch runs as nobody."""
     system_python = shutil.which("python3", path="/usr/bin")
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not system_python:
-        pytest.skip("needs root, setpriv and /usr/bin/python3 to run as another user")
+    need(os.geteuid() == 0 and shutil.which("setpriv") is not None and system_python is not None,
+         "needs root, setpriv and /usr/bin/python3 to run as another user")
     shared = Path(os.environ.get("TMPDIR", "/tmp")) / f"sm120patch-perm-{os.getpid()}"
     shutil.rmtree(shared, ignore_errors=True)
     try:
@@ -215,10 +186,11 @@ def test_permission_denied_for_another_users_environment(tmp_path, flashinfer_wh
              *sm120patch_argv(env, "apply", python=system_python)],
             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=paths), cwd="/",
         )
-        if "No module named" in proc.stderr or "Permission denied: '/" in proc.stderr and "sm120patch:" not in proc.stderr:
-            pytest.skip(f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+        need("No module named" not in proc.stderr and not ("Permission denied: '/" in proc.stderr
+                                                            and "sm120patch:" not in proc.stderr),
+             f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
         assert proc.returncode == ExitCode.FAILED, proc.stderr
         one_clear_error(proc.stderr, "permission denied; nothing was changed")
-        assert snapshot(env) == before
+        assert changed(before, snapshot(env)) == []
     finally:
         shutil.rmtree(shared, ignore_errors=True)

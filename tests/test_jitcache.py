@@ -1,10 +1,16 @@
-"""FlashInfer JIT cache: exactly the trtllm_comm entries of one version, in every arch dir."""
+"""FlashInfer JIT cache: exactly the trtllm_comm entries of one version, in every arch dir;
+where the cache is; FlashInfer's own build lock; entries built from another environment."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from pathlib import Path
+
+import pytest
 
 from sm120patch import jitcache
+from sm120patch.errors import TransactionError
 
 
 def make_entry(base, version, arch, module):
@@ -14,17 +20,36 @@ def make_entry(base, version, arch, module):
     return entry
 
 
-def test_entries_and_invalidate_touch_only_trtllm_comm_of_that_version(tmp_path):
+def test_entries_are_only_that_module_of_that_version(tmp_path):
     wanted = [make_entry(tmp_path, "0.6.4", arch, "trtllm_comm") for arch in ("120a", "90a", "90a_120a")]
-    others = [
-        make_entry(tmp_path, "0.6.4", "120a", "norm"),
-        make_entry(tmp_path, "0.6.3", "120a", "trtllm_comm"),
-    ]
-    assert jitcache.entries("0.6.4", tmp_path) == sorted(wanted)
-    assert jitcache.invalidate("0.6.4", tmp_path) == sorted(wanted)
-    assert not any(e.exists() for e in wanted)
-    assert all(e.exists() for e in others)
-    assert jitcache.entries("0.6.4", tmp_path / "missing") == []
+    make_entry(tmp_path, "0.6.4", "120a", "norm")
+    make_entry(tmp_path, "0.6.3", "120a", "trtllm_comm")
+    assert jitcache.entries("0.6.4", tmp_path, "trtllm_comm") == sorted(wanted)
+    assert jitcache.entries("0.6.4", tmp_path / "missing", "trtllm_comm") == []
+
+
+def test_flashinfers_own_lock_is_taken_and_a_held_one_is_waited_for_then_named(tmp_path):
+    """FlashInfer holds cached_ops/tmp/<module>.lock (an flock) while it builds or loads."""
+    entry = make_entry(tmp_path, "0.6.4", "120a", "trtllm_comm")
+    lock = tmp_path / ".cache/flashinfer/0.6.4/120a/cached_ops/tmp/trtllm_comm.lock"
+    with jitcache.module_locks([entry], "trtllm_comm", owner=None, on_wait=None):
+        assert lock.exists()
+    waits = []
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(TransactionError, match="a FlashInfer process is building or loading trtllm_comm") as err:
+            jitcache.module_locks([entry], "trtllm_comm", owner=None, on_wait=waits.append, timeout=0.3)
+    assert waits and str(lock) in err.value.message
+    assert "run again once the server has started" in err.value.hint
+
+
+def test_an_entry_built_from_another_environment_is_told_apart(tmp_path):
+    entry = make_entry(tmp_path, "0.6.4", "120a", "trtllm_comm")
+    mine, other = tmp_path / "env-a" / "site-packages", tmp_path / "env-b" / "site-packages"
+    (entry / "build.ninja").write_text(
+        f"build trtllm_allreduce.cuda.o: cuda_compile {other}/flashinfer/data/csrc/trtllm_allreduce.cu\n")
+    assert jitcache.foreign_entry(entry, mine) == other / "flashinfer/data/csrc/trtllm_allreduce.cu"
+    assert jitcache.foreign_entry(entry, other) is None
 
 
 def test_an_entry_older_than_the_sources_is_stale(tmp_path):
@@ -40,8 +65,8 @@ def test_an_entry_older_than_the_sources_is_stale(tmp_path):
 
 def test_cache_base_follows_flashinfer(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
-    assert jitcache.cache_base() == tmp_path
-    assert jitcache.cache_base("/srv/other") == __import__("pathlib").Path("/srv/other")
+    assert jitcache.cache_base() == jitcache.CacheBase(tmp_path, "$FLASHINFER_WORKSPACE_BASE")
+    assert jitcache.cache_base("/srv/other").path == Path("/srv/other")
     monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert jitcache.cache_base() == tmp_path / "home"
+    assert jitcache.cache_base() == jitcache.CacheBase(tmp_path / "home", "$HOME")

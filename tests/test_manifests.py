@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from sm120patch.errors import PatchDataError
 from sm120patch.manifests import build_manifest, load_manifest, manifest_path, render
-from sm120patch.patchsets import load_catalog
+from sm120patch.distributions import load_registry
 from sm120patch.wheels import fetch_wheel
 
 
@@ -20,7 +20,7 @@ from sm120patch.wheels import fetch_wheel
 ])
 def test_rebuilt_manifest_is_byte_identical(request, name, version, wheel_fixture):
     wheel = request.getfixturevalue(wheel_fixture)
-    patch_set = load_catalog().find(name, Version(version))
+    patch_set = load_registry().get(name).find(Version(version))
     assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
 
 
@@ -40,13 +40,13 @@ def test_a_wheel_whose_file_does_not_match_its_record_is_refused(tmp_path, flash
             if item.filename == "flashinfer/jit/comm.py":
                 data += b"\n"
             dst.writestr(item, data)
-    patch_set = load_catalog().find("flashinfer-python", Version("0.6.4"))
+    patch_set = load_registry().get("flashinfer-python").find(Version("0.6.4"))
     with pytest.raises(PatchDataError, match="does not match the wheel's RECORD"):
         build_manifest(tampered, patch_set)
 
 
 def test_a_wheel_of_another_release_is_refused(sglang_wheel):
-    patch_set = load_catalog().find("flashinfer-python", Version("0.6.4"))
+    patch_set = load_registry().get("flashinfer-python").find(Version("0.6.4"))
     with pytest.raises(PatchDataError, match="is not pinned by"):
         build_manifest(sglang_wheel, patch_set)
 
@@ -55,12 +55,12 @@ def test_a_wheel_of_another_release_is_refused(sglang_wheel):
 def test_a_sample_rebuilt_from_freshly_downloaded_wheels_is_byte_identical(tmp_path, name, version):
     """Not from the shared cache: a new download from the package index."""
     wheel = fetch_wheel(name, version, tmp_path)
-    patch_set = load_catalog().find(name, Version(version))
+    patch_set = load_registry().get(name).find(Version(version))
     assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
 
 
 def test_every_pinned_release_has_a_manifest_for_every_file():
-    for patch_set in load_catalog().patch_sets:
+    for patch_set in load_registry().patch_sets:
         for version in patch_set.versions:
             manifest = load_manifest(patch_set.distribution, str(version))
             assert manifest is not None, (patch_set.distribution, version)

@@ -9,15 +9,14 @@ import json
 import pytest
 from packaging.version import Version
 
-from conftest import ServingEnv, Session, make_venv
+from helpers import ServingEnv, Session, make_venv
 from sm120patch.errors import ExitCode
-from sm120patch.facts import sglang_auto_enables_fusion
-from sm120patch.patchsets import load_catalog
+from sm120patch.distributions import load_registry
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
 
-CATALOG = load_catalog(check_rewriters=False)
-RELEASES = [(ps.distribution, str(v)) for ps in CATALOG.patch_sets for v in sorted(ps.versions)]
+REGISTRY = load_registry(check_rewriters=False)
+RELEASES = [(ps.distribution, str(v)) for ps in REGISTRY.patch_sets for v in sorted(ps.versions)]
 
 
 @pytest.fixture
@@ -35,22 +34,21 @@ def fresh_env(tmp_path):
 def test_release_applies_and_reverts_exactly(fresh_env, wheel_cache, name, version):
     env = fresh_env(fetch_wheel(name, version, wheel_cache))
     session = Session(env)
-    patch_set = CATALOG.find(name, Version(version))
+    patch_set = REGISTRY.get(name).find(Version(version))
     selector = "--flashinfer" if name == "flashinfer-python" else "--sglang"
     opt_in = ",".join(p.id for p in patch_set.patches if not p.required)
     pristine = {f: env.file(f).read_text() for f in patch_set.files}
 
     status = session("status")
-    assert status.exit_code == ExitCode.NOT_PATCHED
-    auto_enables = name == "sglang" and sglang_auto_enables_fusion(Version(version))
+    assert status.exit_code == ExitCode.NOT_OK
+    auto_enables = any(a.level == "warn" for a in REGISTRY.get(name).advice_for(Version(version)))
     assert ("turns fusion on by itself on SM120" in status.output) == auto_enables
     applied = session("apply", selector, version, *(["--with", opt_in] if opt_in else []))
     assert applied.exit_code == 0, applied.output
     for patch in patch_set.patches:
         text = env.file(patch.file).read_text()
-        if patch.id in CHECKS:
-            ok, detail = CHECKS[patch.id](text)
-            assert ok, f"{patch.id}: {detail}"
+        ok, detail = CHECKS[patch.check](text)
+        assert ok, f"{patch.id}: {detail}"
         if patch.file.endswith(".py"):  # what the patch uses, the module binds
             assert set(unbound_names(text)) <= set(unbound_names(pristine[patch.file])), patch.id
     status = session("status", "--json")
@@ -94,7 +92,7 @@ def test_a_local_build_with_an_unknown_version(fresh_env, wheel_cache):
 
     forced = session("apply", "--force")
     assert forced.exit_code == 0, forced.output
-    assert "applied flashinfer-python.toml by meaning (--force), recorded as unpinned" in forced.output
+    assert "applied flashinfer-python/0.5.0.toml by meaning (--force), recorded as unpinned" in forced.output
     assert "+        supported_major_versions=[9, 10, 12]" in forced.output
     status = session("status")
     assert "unpinned: no patch set pins 0.6.16.post4+local" in status.output

@@ -9,15 +9,16 @@ import pytest
 from packaging.version import Version
 
 from sm120patch.errors import PatchDataError, UsageError
-from sm120patch.patchsets import load_catalog, parse_patch_set
+from sm120patch.distributions import load_registry
+from sm120patch.patchsets import parse_patch_set
 
 VALID = """\
-distribution = "flashinfer-python"
 versions = ["0.6.4"]
 summary = "s"
 
 [[patch]]
 id = "jit-gate"
+check = "jit-gate"
 file = "{file}"
 required = true
 summary = "s"
@@ -36,9 +37,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_shipped_patch_sets_pin_the_core_releases():
-    catalog = load_catalog()
-    flashinfer = catalog.find("flashinfer-python", Version("0.6.4"))
-    sglang = catalog.find("sglang", Version("0.5.9"))
+    registry = load_registry()
+    flashinfer = registry.get("flashinfer-python").find(Version("0.6.4"))
+    sglang = registry.get("sglang").find(Version("0.5.9"))
     assert [p.id for p in flashinfer.patches] == ["jit-gate", "pdl-gates", "lamport-stride"]
     assert all(p.required and p.fixed_in == "0.6.17" and "3903" in p.upstream for p in flashinfer.patches)
     assert flashinfer.patch("pdl-gates").edits[0].sites == 13
@@ -48,31 +49,32 @@ def test_shipped_patch_sets_pin_the_core_releases():
 
 
 def test_pins_are_exact():
-    catalog = load_catalog()
-    assert catalog.find("flashinfer-python", Version("0.6.4.post1")) is None
-    assert catalog.find("flashinfer-python", Version("0.6.4+local")) is None
-    assert catalog.find("flashinfer-python", Version("0.6.16.post5")) is None
-    assert catalog.find("flashinfer-python", Version("0.4.1")) is None
-    assert catalog.find("flashinfer-python", Version("0.6.17")) is None
+    flashinfer = load_registry().get("flashinfer-python")
+    for version in ("0.6.4.post1", "0.6.4+local", "0.6.16.post5", "0.4.1", "0.6.17"):
+        assert flashinfer.find(Version(version)) is None, version
+    assert flashinfer.fixed_upstream(Version("0.6.17")) and not flashinfer.fixed_upstream(Version("0.6.16.post4"))
 
 
 def test_select_takes_required_and_named_opt_in_patches():
-    sglang = load_catalog().find("sglang", Version("0.5.9"))
+    sglang = load_registry().get("sglang").find(Version("0.5.9"))
     assert [p.id for p in sglang.select()] == ["fusion-gate"]
     assert [p.id for p in sglang.select(["symm-mem"])] == ["fusion-gate", "symm-mem"]
-    with pytest.raises(UsageError, match="opt-in patches: auto-enable, symm-mem"):
+    with pytest.raises(UsageError, match="opt-in patches here: auto-enable, symm-mem"):
         sglang.select(["nope"])
+    # A required patch is always applied: naming it with --with is a mistake, said as one.
+    with pytest.raises(UsageError, match="fusion-gate: required, so always applied"):
+        sglang.select(["fusion-gate"])
 
 
 def test_a_valid_file_parses(tmp_path):
-    patch_set = parse_patch_set(write(tmp_path, VALID.format(file="flashinfer/jit/comm.py")))
+    patch_set = parse_patch_set(write(tmp_path, VALID.format(file="flashinfer/jit/comm.py")), "flashinfer-python")
     assert patch_set.files == ("flashinfer/jit/comm.py",)
 
 
 @pytest.mark.parametrize("file", ["../evil.py", "/etc/passwd", "flashinfer/../../x.py", ""])
 def test_a_file_that_escapes_the_package_is_refused(tmp_path, file):
     with pytest.raises(PatchDataError, match="not a safe relative path"):
-        parse_patch_set(write(tmp_path, VALID.format(file=file)))
+        parse_patch_set(write(tmp_path, VALID.format(file=file)), "flashinfer-python")
 
 
 @pytest.mark.parametrize(
@@ -84,16 +86,60 @@ def test_a_file_that_escapes_the_package_is_refused(tmp_path, file):
         (VALID.format(file="a.py").replace("sites = 1", 'sites = "1"'), "'sites' has the wrong type"),
         (VALID.format(file="a.py").replace("python.extend-list-argument", "python.eval"), "unknown rewriter"),
         (VALID.format(file="a.py").replace('required = true\n', ''), "missing 'required'"),
+        (VALID.format(file="a.py").replace('check = "jit-gate"', 'check = "nope"'), "no semantic check named 'nope'"),
+        (VALID.format(file="a.py").replace('check = "jit-gate"\n', ''), "missing 'check'"),
         (VALID.format(file="a.py") + VALID.format(file="b.py").split("summary = \"s\"\n", 1)[1], "duplicate id"),
     ],
 )
 def test_malformed_patch_sets_are_clear_errors(tmp_path, text, message):
     with pytest.raises(PatchDataError, match=message):
-        parse_patch_set(write(tmp_path, text))
+        parse_patch_set(write(tmp_path, text), "flashinfer-python")
+
+
+DISTRIBUTION = """\
+name = "flashinfer-python"
+option = "flashinfer"
+summary = "s"
+"""
 
 
 def test_two_sets_pinning_one_release_conflict(tmp_path):
-    (tmp_path / "a.toml").write_text(VALID.format(file="a.py"))
-    (tmp_path / "b.toml").write_text(VALID.format(file="b.py"))
-    with pytest.raises(PatchDataError, match="also pinned by a.toml"):
-        load_catalog(tmp_path)
+    directory = tmp_path / "flashinfer-python"
+    directory.mkdir()
+    (directory / "distribution.toml").write_text(DISTRIBUTION)
+    (directory / "a.toml").write_text(VALID.format(file="a.py"))
+    (directory / "b.toml").write_text(VALID.format(file="b.py"))
+    with pytest.raises(PatchDataError, match="also pinned by flashinfer-python/a.toml"):
+        load_registry(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (DISTRIBUTION.replace('option = "flashinfer"\n', ""), "missing 'option'"),
+        (DISTRIBUTION.replace('"flashinfer-python"', '"other"'), "lives in patches/flashinfer-python/"),
+        (DISTRIBUTION + '[[advice]]\nlevel = "loud"\ntext = "t"\n', "needs level"),
+        (DISTRIBUTION + '[[advice]]\nversions = "~"\nlevel = "info"\ntext = "t"\n', "not a version specifier"),
+        (DISTRIBUTION + '[verify]\nspec = "x"\n', "unknown verify key"),
+        (DISTRIBUTION + '[checkout]\nlayout = [["a"]]\n', "checkout.layout"),
+    ],
+)
+def test_malformed_distribution_data_is_a_clear_error(tmp_path, text, message):
+    directory = tmp_path / "flashinfer-python"
+    directory.mkdir()
+    (directory / "distribution.toml").write_text(text)
+    (directory / "a.toml").write_text(VALID.format(file="a.py"))
+    with pytest.raises(PatchDataError, match=message):
+        load_registry(tmp_path)
+
+
+def test_the_registry_knows_each_shipped_distribution_from_data():
+    registry = load_registry()
+    assert registry.names == ("flashinfer-python", "sglang")
+    flashinfer, sglang = registry
+    assert (flashinfer.option, flashinfer.jit_module, str(flashinfer.fixed_in)) == ("flashinfer", "trtllm_comm", "0.6.17")
+    assert sglang.pins == "flashinfer-python" and sglang.jit_module is None
+    assert flashinfer.checkout.repo_path("flashinfer/data/include/x.cuh") == "include/x.cuh"
+    assert sglang.checkout.repo_path("sglang/srt/layers/communicator.py") == "python/sglang/srt/layers/communicator.py"
+    # Every patch names a semantic check that exists (parse refuses the others).
+    assert all(p.check for ps in registry.patch_sets for p in ps.patches)

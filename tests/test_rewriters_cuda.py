@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import wheel_file
+from helpers import wheel_file
 from sm120patch.errors import PatchDataError
-from sm120patch.patchsets import load_catalog
+from sm120patch.distributions import load_registry
 from sm120patch.rewriters import AlreadyApplied, Changed, NoMatch, create
 
 GATE = dict(
@@ -20,7 +20,7 @@ def test_replaces_exactly_the_pinned_number_of_sites():
     source = b"#if ((A >= 9) && (A < 12))\n#endif\n#if ((A >= 9) && (A < 12))\n"
     result = create("cuda.regex-replace", GATE).rewrite(source, sites=2)
     assert result == Changed(b"#if ((A >= 9))\n#endif\n#if ((A >= 9))\n", 2)
-    assert create("cuda.regex-replace", GATE).rewrite(result.source, sites=2) == AlreadyApplied(2)
+    assert create("cuda.regex-replace", GATE).rewrite(result.data, sites=2) == AlreadyApplied(2)
 
 
 def test_other_counts_are_refused_with_both_numbers():
@@ -54,7 +54,7 @@ def test_binary_files_are_no_match():
 
 
 def _edits(patch_id: str):
-    patch_set = load_catalog().find("flashinfer-python", __import__("packaging.version").version.Version("0.6.4"))
+    patch_set = load_registry().get("flashinfer-python").find(__import__("packaging.version").version.Version("0.6.4"))
     return patch_set.patch(patch_id).edits
 
 
@@ -64,8 +64,8 @@ def test_pdl_gates_on_the_real_header_remove_all_thirteen_bounds(flashinfer_whee
     (edit,) = _edits("pdl-gates")
     result = create(edit.rewriter, edit.params).rewrite(source, sites=edit.sites)
     assert isinstance(result, Changed) and result.sites == 13
-    assert b"1200" not in result.source
-    assert len(source.splitlines()) == len(result.source.splitlines())
+    assert b"1200" not in result.data
+    assert len(source.splitlines()) == len(result.data.splitlines())
 
 
 def test_lamport_stride_on_the_real_source(flashinfer_wheel):
@@ -73,7 +73,7 @@ def test_lamport_stride_on_the_real_source(flashinfer_wheel):
     for edit in _edits("lamport-stride"):
         result = create(edit.rewriter, edit.params).rewrite(source, sites=edit.sites)
         assert isinstance(result, Changed), result
-        source = result.source
+        source = result.data
     text = source.decode()
     assert "[i + tp_size]" not in text and "[i + tp_size * 2]" not in text
     check = text.index("TVM_FFI_ICHECK(tp_size <= static_cast<int64_t>(MAX_RANKS_PER_NODE))")

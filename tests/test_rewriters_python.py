@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import wheel_file
+from helpers import wheel_file
 from sm120patch.errors import PatchDataError
 from sm120patch.rewriters import AlreadyApplied, Changed, NoMatch, create
 
@@ -20,8 +20,8 @@ def assert_rewrites(rewriter: str, before: str, after: str, /, **params) -> None
     """``before`` becomes exactly ``after``, and rewriting ``after`` says it is already applied."""
     result = rewrite(rewriter, before, **params)
     assert isinstance(result, Changed), result
-    assert result.source.decode() == textwrap.dedent(after)
-    again = create(rewriter, params).rewrite(result.source, sites=result.sites)
+    assert result.data.decode() == textwrap.dedent(after)
+    again = create(rewriter, params).rewrite(result.data, sites=result.sites)
     assert again == AlreadyApplied(result.sites)
 
 
@@ -192,10 +192,10 @@ def test_jit_gate_on_the_real_comm_py(flashinfer_wheel):
     result = create("python.extend-list-argument", EXTEND | {"function": "gen_trtllm_comm_module",
                                                              "keyword": "supported_major_versions"}).rewrite(source, sites=1)
     assert isinstance(result, Changed)
-    changed = [(a, b) for a, b in zip(source.decode().splitlines(), result.source.decode().splitlines()) if a != b]
+    changed = [(a, b) for a, b in zip(source.decode().splitlines(), result.data.decode().splitlines()) if a != b]
     assert changed == [("        supported_major_versions=[9, 10]", "        supported_major_versions=[9, 10, 12]")]
     # gen_trtllm_mnnvl_comm_module and the rest of the file are untouched byte for byte
-    assert len(source) + len(", 12") == len(result.source)
+    assert len(source) + len(", 12") == len(result.data)
 
 
 def test_fusion_gate_edits_on_the_real_communicator(sglang_wheel):
@@ -207,9 +207,9 @@ def test_fusion_gate_edits_on_the_real_communicator(sglang_wheel):
     ]:
         result = create(name, params).rewrite(source, sites=1)
         assert isinstance(result, Changed), (name, result)
-        added = len(result.source.decode().splitlines()) - len(source.decode().splitlines())
+        added = len(result.data.decode().splitlines()) - len(source.decode().splitlines())
         assert added in (0, 1), name  # one new line, or one line changed in place
-        source = result.source
+        source = result.data
     text = source.decode()
     assert "    is_sm100_supported,\n    is_sm120_supported,\n)" in text
     assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in text

@@ -20,7 +20,7 @@ FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/jit/comm.py", "inclu
 
 
 def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="sm120patch")
 
 
 def new_repo(root: Path) -> git.Repo:
@@ -84,11 +84,11 @@ def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_r
     root = flashinfer_repo.working_tree_dir
     base = flashinfer_repo.head.commit.hexsha
     before = run("status", "--source", root)
-    assert before.exit_code == ExitCode.NOT_PATCHED and before.output.count("not in HEAD") == 3
+    assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 3
 
     result = run("apply", "--source", root)
     assert result.exit_code == 0, result.output
-    assert "on sm120patch/flashinfer-python-0.6.4 (3 file(s))" in result.output
+    assert "on sm120patch/flashinfer-python-0.6.4 (3 files)" in result.output
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
     head = flashinfer_repo.head.commit
     assert [p.hexsha for p in head.parents] == [base]
@@ -141,12 +141,74 @@ def test_revert_keeps_a_branch_someone_committed_to(flashinfer_repo):
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
 
 
+def repo_state(repo: git.Repo) -> tuple:
+    """Everything a run could change in a checkout: refs, HEAD, index, working files."""
+    root = Path(repo.working_tree_dir)
+    files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file() and ".git" not in p.parts}
+    return (sorted((h.name, h.commit.hexsha) for h in repo.heads), repo.head.commit.hexsha,
+            (root / ".git" / "index").read_bytes(), files,
+            sorted(p.name for p in (root / ".git").iterdir()))
+
+
 def test_a_dirty_tree_is_refused(flashinfer_repo):
     root = Path(flashinfer_repo.working_tree_dir)
-    (root / "flashinfer/jit/comm.py").write_text((root / "flashinfer/jit/comm.py").read_text() + "# wip\n")
+    (root / "NOTES.md").write_text("wip\n")
+    before = repo_state(flashinfer_repo)
     result = run("apply", "--source", str(root))
     assert result.exit_code == ExitCode.REFUSED and "uncommitted changes" in result.output
-    assert [h.name for h in flashinfer_repo.heads] == ["main"]
+    assert repo_state(flashinfer_repo) == before
+
+
+def test_a_drifted_file_in_a_checkout_is_refused_as_in_an_environment(flashinfer_repo):
+    root = Path(flashinfer_repo.working_tree_dir)
+    comm = root / "flashinfer/jit/comm.py"
+    comm.write_text(comm.read_text() + "# wip\n")
+    before = repo_state(flashinfer_repo)
+    result = run("apply", "--source", str(root))
+    assert result.exit_code == ExitCode.REFUSED
+    assert "flashinfer/jit/comm.py" in result.output and "not the release's bytes" in result.output
+    assert repo_state(flashinfer_repo) == before
+
+
+def test_dry_run_on_a_checkout_changes_nothing_and_prints_the_diff(flashinfer_repo):
+    """A dry run never creates the branch or commits (it once did)."""
+    root = flashinfer_repo.working_tree_dir
+    before = repo_state(flashinfer_repo)
+    result = run("apply", "--source", root, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "+        supported_major_versions=[9, 10, 12]" in result.output
+    assert "--- a/flashinfer/jit/comm.py" in result.output or "--- flashinfer/jit/comm.py" in result.output
+    assert repo_state(flashinfer_repo) == before
+    diff = run("diff", "--source", root)
+    assert diff.exit_code == 0 and "include/flashinfer/comm/trtllm_allreduce.cuh" in diff.output
+    assert repo_state(flashinfer_repo) == before
+
+
+def test_json_on_a_checkout_is_one_document(flashinfer_repo):
+    root = flashinfer_repo.working_tree_dir
+    result = run("apply", "--source", root, "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.output)  # nothing printed ahead of it
+    (entry,) = doc["results"]
+    assert entry["kind"] == "checkout" and entry["commit"]["branch"] == "sm120patch/flashinfer-python-0.6.4"
+    assert entry["commit"]["sha"] == flashinfer_repo.head.commit.hexsha
+    status = json.loads(run("status", "--source", root, "--json").output)
+    assert status["exit_code"] == 0
+    assert {p["in_head"] for p in status["distributions"][0]["patches"]} == {True}
+
+
+def test_force_on_a_drifted_checkout_commits_by_meaning_as_unpinned(flashinfer_repo):
+    root = Path(flashinfer_repo.working_tree_dir)
+    comm = root / "flashinfer/jit/comm.py"
+    comm.write_text("# local change\n" + comm.read_text())
+    flashinfer_repo.index.add(["flashinfer/jit/comm.py"])
+    flashinfer_repo.index.commit("local change")
+    result = run("apply", "--source", str(root), "--force")
+    assert result.exit_code == 0, result.output
+    assert "Sm120patch-Pinned: no" in flashinfer_repo.head.commit.message
+    assert comm.read_text().startswith("# local change\n") and "[9, 10, 12]" in comm.read_text()
+    assert run("revert", "--source", str(root)).exit_code == 0
+    assert flashinfer_repo.active_branch.name == "main"
 
 
 def test_sglang_tree_with_an_opt_in_patch(sglang_repo):
@@ -169,6 +231,8 @@ def test_a_checkout_at_the_upstream_fix_has_every_patch_in_head(tmp_path, wheel_
 def test_not_a_checkout(tmp_path):
     result = run("apply", "--source", str(tmp_path))
     assert result.exit_code == ExitCode.USAGE and "not a git checkout" in result.output
+    missing = run("apply", "--source", str(tmp_path / "nope"))
+    assert missing.exit_code == ExitCode.USAGE and "no such directory" in missing.output
 
 
 def test_an_editable_install_is_patched_in_its_source_tree(sm120patch, serving_env, sglang_repo):
@@ -176,7 +240,7 @@ def test_an_editable_install_is_patched_in_its_source_tree(sm120patch, serving_e
     dist_info = next(serving_env.site_packages.glob("sglang-*.dist-info"))
     (dist_info / "direct_url.json").write_text(json.dumps(
         {"url": Path(sglang_repo.working_tree_dir).as_uri(), "dir_info": {"editable": True}}))
-    assert f"editable install of {Path(sglang_repo.working_tree_dir).as_uri()}" in sm120patch("status").output
+    assert f"editable install of {sglang_repo.working_tree_dir}" in sm120patch("status").output
     result = sm120patch("apply", "--sglang", "0.5.9")
     assert result.exit_code == 0, result.output
     assert "sglang is an editable install of" in result.output

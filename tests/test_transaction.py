@@ -1,18 +1,21 @@
-"""The transaction: atomic writes, rollback on failure, recovery of an interrupted run."""
+"""The transaction: atomic writes, rollback on failure (the real one, on I/O errors and on
+Ctrl-C), recovery of an interrupted run, the lock, the state directory."""
 
 from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
+from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, changed, snapshot
 from sm120patch import transaction
 from sm120patch.errors import ExitCode, TransactionError
-from sm120patch.state import DistributionState
-from sm120patch.transaction import atomic_write, environment_lock
-
-from test_e2e import COMM, COMMUNICATOR, HEADER, LAMPORT
+from sm120patch.state import Owner, ensure_dir
+from sm120patch.transaction import atomic_write, install_locks
 
 
 def test_atomic_write_replaces_content_keeps_mode_and_leaves_no_temp(tmp_path):
@@ -40,8 +43,11 @@ def test_atomic_write_failure_leaves_the_old_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("failing_replace", [1, 2, 3, 4])
-def test_a_failed_replace_rolls_every_file_back(sm120patch, serving_env, monkeypatch, failing_replace):
-    """os.replace fails (EIO) at the N-th file: apply exits 4 and every file is pristine."""
+def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeypatch, failing_replace):
+    """os.replace fails (EIO) at the N-th package file: apply exits 4, and every file, the
+    state directory and the JIT cache are exactly as before (entries were only moved aside)."""
+    serving_env.seed_jit()
+    before = snapshot(serving_env)
     real_replace = os.replace
     calls = {"n": 0}
 
@@ -54,56 +60,88 @@ def test_a_failed_replace_rolls_every_file_back(sm120patch, serving_env, monkeyp
 
     monkeypatch.setattr(transaction.os, "replace", flaky_replace)
     result = sm120patch("apply")
-    assert result.exit_code == ExitCode.FAILED
-    assert "Input/output error" in result.output and "rolled back" in result.output
     monkeypatch.setattr(transaction.os, "replace", real_replace)
-    assert serving_env.record_mismatches() == []
+    assert result.exit_code == ExitCode.FAILED
+    assert "Input/output error" in result.output and "the environment is as it was" in result.output
     assert "Traceback" not in result.output
-    assert sm120patch("status").exit_code == ExitCode.NOT_PATCHED  # no journal left behind
+    assert changed(before, snapshot(serving_env)) == []
 
 
-def test_an_interrupted_apply_is_rolled_back_by_the_next_run(sm120patch, serving_env, monkeypatch):
-    """Leave exactly what a kill after the second file write leaves on disk (journal, stash,
-    two patched files), then run again: the next command restores a consistent state."""
+def test_ctrl_c_in_the_middle_runs_the_real_rollback(sm120patch, serving_env, monkeypatch):
+    """KeyboardInterrupt after the second package file: exit 130, and the rollback that really
+    runs on Ctrl-C leaves nothing changed anywhere (files, state, JIT entries)."""
+    serving_env.seed_jit()
+    before = snapshot(serving_env)
     real_write = transaction.atomic_write
     writes = {"n": 0}
 
-    def dies_after_two_files(path, data, *, like=None):
-        real_write(path, data, like=like)
-        if like is not None:  # a package file, not state
+    def interrupted_after_two_files(path, data, **kwargs):
+        real_write(path, data, **kwargs)
+        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
             writes["n"] += 1
             if writes["n"] == 2:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(transaction, "atomic_write", dies_after_two_files)
-    monkeypatch.setattr(transaction, "rollback", lambda state: ())  # as if killed: no cleanup
-    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 130  # Ctrl-C
+    monkeypatch.setattr(transaction, "atomic_write", interrupted_after_two_files)
+    result = sm120patch("apply", "--flashinfer", "0.6.4")
+    monkeypatch.undo()
+    assert writes["n"] == 2
+    assert result.exit_code == ExitCode.INTERRUPTED
+    assert "interrupted; any change in progress was rolled back" in result.output
+    assert changed(before, snapshot(serving_env)) == []
+    assert sm120patch("status").exit_code == ExitCode.NOT_OK  # no journal left: an ordinary pristine env
+
+
+def test_a_journal_left_by_a_kill_is_rolled_back_by_the_next_run(sm120patch, serving_env, monkeypatch):
+    """What a SIGKILL after the second file leaves (journal, stash, two patched files, entries
+    aside) is made by stopping the run there without its rollback; then status says so (exit 3)
+    and the next apply rolls it back first, then applies."""
+    serving_env.seed_jit()
+    before = snapshot(serving_env)
+    real_write = transaction.atomic_write
+    writes = {"n": 0}
+
+    class Killed(BaseException):
+        pass
+
+    def killed_after_two_files(path, data, **kwargs):
+        real_write(path, data, **kwargs)
+        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
+            writes["n"] += 1
+            if writes["n"] == 2:
+                raise Killed
+
+    monkeypatch.setattr(transaction, "atomic_write", killed_after_two_files)
+    monkeypatch.setattr(transaction, "rollback", lambda *a, **k: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        sm120patch("apply", "--flashinfer", "0.6.4")
     monkeypatch.undo()
     assert sorted(serving_env.record_mismatches()) == sorted([COMM, HEADER])  # half-applied
+    assert not serving_env.jit_entry("90a", "trtllm_comm").exists()  # moved aside, not deleted
 
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED
-    assert "an interrupted apply was found" in status.output
+    assert "an interrupted apply" in status.output
 
     again = sm120patch("apply", "--flashinfer", "0.6.4")
     assert again.exit_code == 0, again.output
-    assert "rolled back an interrupted apply (2 file(s) restored)" in again.output
+    assert "rolled back an interrupted apply" in again.output
     assert sorted(serving_env.record_mismatches()) == sorted([COMM, HEADER, LAMPORT])
     assert sm120patch("revert").exit_code == 0
-    assert serving_env.record_mismatches() == []
+    after = snapshot(serving_env)
+    # Everything is as before but the stale trtllm_comm entries (the apply removed them) and
+    # FlashInfer's lock files (created, as FlashInfer itself does, to hold its lock).
+    assert all("trtllm_comm" in p or p.endswith(".lock") or p.endswith("/tmp") for p in changed(before, after)), \
+        changed(before, after)
 
 
 def test_the_lock_refuses_a_second_writer_after_a_bounded_wait(tmp_path):
-    import subprocess
-    import sys
-    import textwrap
-
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
-            import sys, time
+            import time
             from pathlib import Path
-            from sm120patch.transaction import environment_lock
-            with environment_lock(Path({str(tmp_path)!r})):
+            from sm120patch.transaction import install_locks
+            with install_locks([Path({str(tmp_path)!r})]):
                 print("locked", flush=True)
                 time.sleep(30)
         """)],
@@ -112,29 +150,42 @@ def test_the_lock_refuses_a_second_writer_after_a_bounded_wait(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         messages = []
-        with pytest.raises(TransactionError, match=f"pid {holder.pid}.*gave up after 1 s"):
-            with environment_lock(tmp_path, timeout=1.0, on_wait=messages.append):
+        with pytest.raises(TransactionError, match=f"another sm120patch is changing {tmp_path}; gave up after 1 s"):
+            with install_locks([tmp_path], timeout=1.0, on_wait=messages.append):
                 pass
-        assert messages == [f"waiting for another sm120patch (pid {holder.pid}) to finish ..."]
+        assert messages == [f"waiting: another sm120patch is changing {tmp_path} ..."]
     finally:
         holder.kill()
         holder.wait()
-    with environment_lock(tmp_path, timeout=1.0):  # released when the holder died
+    with install_locks([tmp_path], timeout=1.0):  # released when the holder died
         pass
 
 
 def test_state_directory_writable_by_others_is_refused(tmp_path):
     state = tmp_path / "state"
-    state.mkdir(mode=0o777)
+    state.mkdir()
     state.chmod(0o777)
     with pytest.raises(TransactionError, match="writable by other users"):
-        with environment_lock(state):
-            pass
+        ensure_dir(state, Owner.of(tmp_path))
 
 
-def test_state_is_private_and_outside_the_package(sm120patch, serving_env):
+def test_state_sits_beside_the_install_private_and_outside_every_package(sm120patch, serving_env):
     assert sm120patch("apply").exit_code == 0
-    state = DistributionState(serving_env.root / "share" / "sm120patch" / "flashinfer-python")
+    state = serving_env.state()
+    assert state.root == serving_env.site_packages / ".sm120patch" / serving_env.dist_info("flashinfer_python").name
     assert state.original(COMM).read_bytes() != serving_env.file(COMM).read_bytes()
+    assert (serving_env.state_root.stat().st_mode & 0o077) == 0
     assert (state.root.stat().st_mode & 0o077) == 0
-    assert not state.root.is_relative_to(serving_env.site_packages)
+    assert sm120patch("revert").exit_code == 0
+    assert not serving_env.state_root.exists()  # a full revert leaves no trace, no lock file
+
+
+def test_the_state_directory_override(sm120patch, serving_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("SM120PATCH_STATE_DIR", str(tmp_path / "state"))
+    assert sm120patch("apply").exit_code == 0
+    assert not serving_env.state_root.exists()
+    (root,) = (tmp_path / "state").iterdir()
+    assert (root / serving_env.dist_info("flashinfer_python").name / "ledger.json").is_file()
+    assert sm120patch("status").exit_code == 0
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == []

@@ -4,15 +4,16 @@ interpreter) and compile (nvcc PTX) checks, failing before apply and passing aft
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from conftest import Session
+from helpers import Session, changed, need, tree_snapshot
 from sm120patch.errors import ExitCode
 from sm120patch.ptx import find_nvcc
 from sm120patch.semantics import CHECKS
 
-from test_e2e import COMM, HEADER, LAMPORT
+from helpers import COMM, HEADER, LAMPORT
 
 
 def checks(result) -> dict[tuple[str, str], dict]:
@@ -21,7 +22,7 @@ def checks(result) -> dict[tuple[str, str], dict]:
 
 def test_static_verify_fails_pristine_and_passes_patched(sm120patch):
     pristine = sm120patch("verify", "--json")
-    assert pristine.exit_code == ExitCode.NOT_PATCHED
+    assert pristine.exit_code == ExitCode.NOT_OK
     found = checks(pristine)
     assert found[("static", "flashinfer-python jit-gate")]["ok"] is False
     assert found[("semantic", "flashinfer-python pdl-gates")]["detail"].startswith("13 '__CUDA_ARCH__ < 1200' bound(s) left")
@@ -51,22 +52,42 @@ def test_semantic_checks_on_the_real_pristine_files(serving_env, patch_id, relpa
 
 def test_compile_check_without_nvcc_says_so(sm120patch, monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # a toolkit location without nvcc
+    assert sm120patch("apply").exit_code == 0
     result = sm120patch("verify", "--compile")
-    assert "SKIP  compile  nvcc PTX: nvcc not found" in result.output
+    # A check the user asked for that could not run does not pass: it says what to install.
+    assert result.exit_code == ExitCode.NOT_OK
+    assert "nvcc not found" in result.output and "install the CUDA toolkit" in result.output
+    assert result.output.rstrip().endswith("NOT verified: 1 check(s) you asked for could not run")
+
+
+def test_runtime_check_without_torch_fails_and_says_what_to_install(sm120patch, serving_env):
+    """The serving_env has no torch: --runtime cannot run, so verify does not pass."""
+    assert sm120patch("apply").exit_code == 0
+    before = {p: p.stat().st_mtime_ns for p in serving_env.home.rglob("*")}
+    result = sm120patch("verify", "--runtime", "--json")
+    assert result.exit_code == ExitCode.NOT_OK
+    runtime = next(c for (kind, subject), c in checks(result).items() if kind == "runtime" and "gen_trtllm" in subject)
+    assert runtime["ok"] is None and "install torch" in runtime["detail"]
+    # The check ran in a temporary workspace: nothing appeared in the server's JIT cache base.
+    assert {p: p.stat().st_mtime_ns for p in serving_env.home.rglob("*")} == before
 
 
 @pytest.mark.nvcc
-@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
 def test_runtime_and_compile_verify_fail_before_apply_and_pass_after(runtime_env):
+    need(find_nvcc() is not None, "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
     session = Session(runtime_env)
+    home = tree_snapshot(runtime_env.home, Path.home())
     before = session("verify", "--runtime", "--compile", "--json")
-    assert before.exit_code == ExitCode.NOT_PATCHED
+    # FlashInfer's import writes a log into its workspace: the check used a temporary one.
+    assert changed(home, tree_snapshot(runtime_env.home, Path.home())) == []
+    assert before.exit_code == ExitCode.NOT_OK
     found = checks(before)
     runtime = next(c for (kind, _), c in found.items() if kind == "runtime" and "gen_trtllm_comm_module" in c["subject"])
     assert runtime["ok"] is False
     assert "No supported CUDA architectures found for major versions [9, 10]" in runtime["detail"]
     assert found[("compile", "sm_120a lamport kernel PTX")]["ok"] is False
-    assert found[("runtime", "sglang communicator import")]["ok"] is None  # sglang's deps absent: skipped, said why
+    # sglang's dependencies are absent here: its import is skipped, says why, and is informative only.
+    assert found[("runtime", "import sglang.srt.layers.communicator")]["ok"] is None
 
     assert session("apply").exit_code == 0
     try:

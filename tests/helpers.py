@@ -1,0 +1,178 @@
+"""What the tests share (imported by test modules; fixtures live in conftest.py): throwaway
+environments with the real wheels, the CLI run as a user runs it, and the one snapshot helper
+every scenario test compares before and after."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sm120patch.cli import cli
+from sm120patch.environment import parse_record_hash
+from sm120patch.state import InstallState
+
+ROOT = Path(__file__).resolve().parents[1]
+# CI machines have root, strace and nvcc: a test that needs one fails there instead of skipping.
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need(condition: bool, reason: str) -> None:
+    """Skip with ``reason`` (``-ra`` lists it in the summary); fail under CI, where the machine
+    is supposed to have it."""
+    if not condition:
+        if IN_CI:
+            pytest.fail(f"CI should have this: {reason}")
+        pytest.skip(reason)
+FLASHINFER_VERSION = "0.6.4"
+SGLANG_VERSION = "0.5.9"
+COMM = "flashinfer/jit/comm.py"
+HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+LAMPORT = "flashinfer/data/csrc/trtllm_allreduce.cu"
+COMMUNICATOR = "sglang/srt/layers/communicator.py"
+SERVER_ARGS = "sglang/srt/server_args.py"
+SYMM_MEM = "sglang/srt/distributed/device_communicators/all_reduce_utils.py"
+FLASHINFER_FILES = (COMM, HEADER, LAMPORT)
+
+
+def wheel_file(wheel: Path, relpath: str) -> bytes:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(relpath)
+
+
+def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable) -> Path:
+    """A virtual environment at ``path`` with ``wheels`` installed by pip, without dependencies."""
+    subprocess.run([python, "-m", "venv", "--without-pip", str(path)], check=True)
+    target = path / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(target), "install", "--quiet", "--no-deps",
+                    "--no-compile", "--disable-pip-version-check", *map(str, wheels)], check=True)
+    return target
+
+
+@dataclass
+class ServingEnv:
+    """A user's serving environment (real wheels, pip-installed) and their JIT cache base."""
+
+    root: Path
+    home: Path
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+    @property
+    def site_packages(self) -> Path:
+        return next((self.root / "lib").glob("python3*/site-packages"))
+
+    def file(self, relpath: str) -> Path:
+        return self.site_packages / relpath
+
+    def dist_info(self, prefix: str) -> Path:
+        return next(self.site_packages.glob(f"{prefix}-*.dist-info"))
+
+    def state(self, prefix: str = "flashinfer_python") -> InstallState:
+        return InstallState(self.site_packages / ".sm120patch" / self.dist_info(prefix).name)
+
+    @property
+    def state_root(self) -> Path:
+        return self.site_packages / ".sm120patch"
+
+    def record_mismatches(self) -> list[str]:
+        """Every file whose bytes differ from its distribution's RECORD hash."""
+        bad = []
+        for record in self.site_packages.glob("*.dist-info/RECORD"):
+            for row in csv.reader(record.read_text().splitlines()):
+                if not row or not row[1]:
+                    continue
+                path = self.site_packages / row[0]
+                data = path.read_bytes() if path.exists() else b""
+                if hashlib.sha256(data).hexdigest() != parse_record_hash(row[1]):
+                    bad.append(row[0])
+        return bad
+
+    def jit_entry(self, arch: str, module: str, version: str = FLASHINFER_VERSION) -> Path:
+        return self.home / ".cache" / "flashinfer" / version / arch / "cached_ops" / module
+
+    def seed_jit(self, archs=("90a", "90a_120a"), modules=("trtllm_comm", "norm")) -> None:
+        """JIT entries as a server leaves them (stand-in files, newer than the sources), with
+        the lock file FlashInfer creates beside them (cached_ops/tmp/<module>.lock)."""
+        for arch in archs:
+            for module in modules:
+                entry = self.jit_entry(arch, module)
+                entry.mkdir(parents=True, exist_ok=True)
+                (entry / f"{module}.so").write_bytes(b"\x7fELF")
+                (entry.parent / "tmp").mkdir(exist_ok=True)
+                (entry.parent / "tmp" / f"{module}.lock").touch()
+
+
+def snapshot(env: ServingEnv, *extra: Path) -> dict[str, tuple]:
+    """Every path of the environment (its packages, sm120patch's state, everything else under
+    its prefix), its JIT cache base and ``extra``: file hashes, link targets, owners and modes.
+    Two snapshots are equal only when nothing anywhere changed."""
+    return tree_snapshot(env.root, env.home, *extra)
+
+
+def tree_snapshot(*bases: Path) -> dict[str, tuple]:
+    """:func:`snapshot` of any directories."""
+    found = {}
+    for base in bases:
+        if not base.exists():
+            continue
+        for path in sorted([base, *base.rglob("*")]):
+            if "__pycache__" in path.parts:
+                continue
+            info = path.lstat()
+            if path.is_symlink():
+                what = ("link", os.readlink(path))
+            elif path.is_file():
+                what = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+            else:
+                what = ("dir",)
+            found[str(path)] = (*what, info.st_mode, info.st_uid, info.st_gid)
+    return found
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    """The paths that differ between two snapshots (for assertion messages)."""
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+
+
+@dataclass
+class Session:
+    """Runs sm120patch as the user would, against one serving environment."""
+
+    env: ServingEnv
+
+    def __call__(self, *args: str, target: bool = True):
+        extra = ["--python", str(self.env.python)] if target else []
+        if target and args and args[0] not in NO_JIT_CACHE:
+            extra += ["--jit-cache-base", str(self.env.home)]
+        argv = [*args[:1], *extra, *args[1:]] if args and target else list(args)
+        return run_cli(*argv)
+
+
+NO_JIT_CACHE = ("diff",)  # commands that never look at FlashInfer's JIT cache
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="sm120patch")
+
+
+def one_clear_error(output: str, text: str) -> None:
+    lines = [line for line in output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(lines) == 1 and text in lines[0], output
+    assert "Traceback" not in output
+
+
+def sm120patch_argv(env: ServingEnv, *args: str, python: str = sys.executable) -> list[str]:
+    """The command line of a separate sm120patch process against ``env``."""
+    return [python, "-m", "sm120patch", args[0], "--python", str(env.python), "--jit-cache-base", str(env.home),
+            *args[1:]]

@@ -1,0 +1,205 @@
+"""Fast tests of the whole pipeline on a small synthetic distribution, no real wheels: a
+third distribution ("toyfuse") added as data alone (a distribution.toml and a patch set beside
+the shipped ones), a wheel made here, its manifest built by sm120patch's own builder, and an
+install that is a bare venv's site-packages with a RECORD. `make check` runs these."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, changed, tree_snapshot
+from sm120patch import pipeline
+from sm120patch.assess import Verdict
+from sm120patch.distributions import load_registry
+from sm120patch.errors import ExitCode, RefusedError, UsageError
+from sm120patch.manifests import build_manifest, render
+
+SOURCE = '''\
+def gen_trtllm_comm_module():
+    return gen_jit_spec(
+        "toy_comm",
+        supported_major_versions=[9, 10],
+    )
+'''
+DISTRIBUTION = '''\
+name = "toyfuse"
+option = "toyfuse"
+summary = "a synthetic distribution: everything sm120patch knows about it is this file and 1.0.toml"
+fixed_in = "2.0"
+jit_module = "toy_comm"
+
+[[advice]]
+versions = ">=1.0"
+level = "info"
+text = "toyfuse {version} is made up for the tests"
+'''
+PATCH_SET = '''\
+versions = ["1.0", "1.1"]
+summary = "accept SM120"
+
+[[patch]]
+id = "jit-gate"
+check = "jit-gate"
+file = "toyfuse/comm.py"
+required = true
+summary = "gen_trtllm_comm_module accepts 12"
+upstream = "https://example.org/toyfuse/pull/1"
+fixed_in = "2.0"
+
+[[patch.edit]]
+rewriter = "python.extend-list-argument"
+sites = 1
+params = { function = "gen_trtllm_comm_module", keyword = "supported_major_versions", value = "12" }
+'''
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(directory: Path, version: str, source: str = SOURCE) -> Path:
+    files = {"toyfuse/__init__.py": b"", "toyfuse/comm.py": source.encode(),
+             f"toyfuse-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: toyfuse\nVersion: {version}\n".encode(),
+             f"toyfuse-{version}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = io.StringIO()
+    writer = csv.writer(record, lineterminator="\n")
+    for name, data in files.items():
+        writer.writerow([name, record_hash(data), len(data)])
+    writer.writerow([f"toyfuse-{version}.dist-info/RECORD", "", ""])
+    wheel = directory / f"toyfuse-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        archive.writestr(f"toyfuse-{version}.dist-info/RECORD", record.getvalue())
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """The shipped data plus toyfuse, as SM120PATCH_DATA_DIR sees it."""
+    data = tmp_path_factory.mktemp("data")
+    shutil.copytree(ROOT / "patches", data / "patches")
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    (data / "patches" / "toyfuse").mkdir()
+    (data / "patches" / "toyfuse" / "distribution.toml").write_text(DISTRIBUTION)
+    (data / "patches" / "toyfuse" / "1.0.toml").write_text(PATCH_SET)
+    wheels = tmp_path_factory.mktemp("wheels")
+    registry = load_registry(data / "patches")
+    for version in ("1.0", "1.1"):
+        wheel = make_wheel(wheels, version)
+        patch_set = registry.get("toyfuse").find(__import__("packaging.version").version.Version(version))
+        out = data / "vendor-manifests" / "toyfuse" / f"{version}.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(render(build_manifest(wheel, patch_set)))
+    return data
+
+
+@pytest.fixture
+def toy(data_dir, tmp_path, monkeypatch):
+    """A bare venv with toyfuse 1.0 unpacked into its site-packages, as an installer would."""
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_dir))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    with zipfile.ZipFile(make_wheel(tmp_path, "1.0")) as archive:
+        archive.extractall(site)
+    (site / "toyfuse-1.0.dist-info" / "INSTALLER").write_text("pip\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    return Toy(venv, site, home, load_registry(data_dir / "patches"))
+
+
+class Toy:
+    def __init__(self, venv: Path, site: Path, home: Path, registry) -> None:
+        self.venv, self.site, self.home, self.registry = venv, site, home, registry
+
+    def request(self, **kwargs) -> pipeline.Request:
+        return pipeline.Request(python=str(self.venv / "bin" / "python"), selectors={"toyfuse": pipeline.ANY},
+                                jit_base=str(self.home), **kwargs)
+
+    def snapshot(self) -> dict:
+        return tree_snapshot(self.venv, self.home)
+
+
+def test_a_third_distribution_is_data_alone(toy):
+    assert toy.registry.names == ("flashinfer-python", "sglang", "toyfuse")
+    report = pipeline.status(toy.request(), toy.registry)
+    (item,) = report.trees
+    assert item.assessment.verdict is Verdict.NOT_PATCHED and report.exit_code == ExitCode.NOT_OK
+    assert [a.render("1.0") for a in item.advice] == ["toyfuse 1.0 is made up for the tests"]
+    assert item.jit is not None and item.jit.entries == []
+
+
+def test_apply_status_revert_round_trip(toy):
+    before = toy.snapshot()
+    entry = toy.home / ".cache" / "flashinfer" / "1.0" / "120a" / "cached_ops" / "toy_comm"
+    entry.mkdir(parents=True)
+    (entry / "toy_comm.so").write_bytes(b"\x7fELF")
+    applied = pipeline.apply(toy.request(), toy.registry)
+    assert applied.exit_code == ExitCode.OK and applied.jit_removed == [entry] and not entry.exists()
+    assert "[9, 10, 12]" in (toy.site / "toyfuse" / "comm.py").read_text()
+    assert pipeline.status(toy.request(), toy.registry).exit_code == ExitCode.OK
+    again = pipeline.apply(toy.request(), toy.registry)
+    assert not again.changed
+    reverted = pipeline.revert(toy.request(), toy.registry)
+    assert reverted.exit_code == ExitCode.OK
+    shutil.rmtree(toy.home / ".cache")  # the seeded entry went, as it should; FlashInfer's lock dir too
+    assert changed(before, toy.snapshot()) == []
+
+
+def test_dry_run_changes_nothing_and_plans_the_diff(toy):
+    before = toy.snapshot()
+    report = pipeline.apply(toy.request(dry_run=True), toy.registry)
+    (result,) = report.results
+    assert "+        supported_major_versions=[9, 10, 12]," in result.plan.files[0].diff("toyfuse/comm.py")
+    assert changed(before, toy.snapshot()) == []
+
+
+def test_a_hand_edit_is_drift_refused_then_forced_and_reverted(toy):
+    comm = toy.site / "toyfuse" / "comm.py"
+    comm.write_text("# tuned\n" + SOURCE)
+    before = toy.snapshot()
+    with pytest.raises(RefusedError, match="is not the 1.0 release's bytes"):
+        pipeline.apply(toy.request(), toy.registry)
+    assert changed(before, toy.snapshot()) == []
+    forced = pipeline.apply(toy.request(force=True), toy.registry)
+    assert forced.exit_code == ExitCode.OK
+    assert comm.read_text().startswith("# tuned\n") and "[9, 10, 12]" in comm.read_text()
+    # --force wants the release's bytes, and nothing here has them (no wheel): said, not done.
+    left = pipeline.revert(toy.request(force=True), toy.registry)
+    assert left.exit_code == ExitCode.REFUSED and "pass --wheel-dir" in left.left[0].error.hint
+    assert "[9, 10, 12]" in comm.read_text()
+    # Plain revert puts back what sm120patch replaced: the hand edit.
+    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changed(before, toy.snapshot()) == []
+
+
+def test_a_version_selector_must_match(toy):
+    with pytest.raises(UsageError, match="--toyfuse 1.1: .* has toyfuse 1.0"):
+        pipeline.status(pipeline.Request(python=str(toy.venv / "bin" / "python"), selectors={"toyfuse": "1.1"}),
+                        toy.registry)
+
+
+def test_an_unknown_release_is_refused_with_the_nearest(toy):
+    metadata = toy.site / "toyfuse-1.0.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 1.0", "Version: 1.0.5"))
+    (toy.site / "toyfuse-1.0.dist-info").rename(toy.site / "toyfuse-1.0.5.dist-info")
+    with pytest.raises(RefusedError, match="no patch set is pinned to toyfuse 1.0.5"):
+        pipeline.apply(toy.request(), toy.registry)
+
+
+def test_fixed_upstream_is_told_from_data(toy):
+    metadata = toy.site / "toyfuse-1.0.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 1.0", "Version: 2.0"))
+    report = pipeline.status(toy.request(), toy.registry)
+    assert report.trees[0].assessment.verdict is Verdict.FIXED_UPSTREAM and report.exit_code == ExitCode.OK
