@@ -1,9 +1,10 @@
-# sm120patch: `make demo` (install + a real demo session), `make test`, `make manifests`, `make bench`.
+# sm120patch: `make demo` (install + a real demo session), `make test`, `make check` (the fast tests),
+# `make manifests`, `make bench`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test manifests check-manifests bench clean
+.PHONY: install demo test check manifests check-manifests bench clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +21,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The tests that need no real wheel, no torch, no download: the pipeline on a synthetic
+# distribution, the CLI, parsers, rewriters (seconds).
+check: install
+	$(BIN)/python -m pytest -m "not wheels"
 
 # Rebuild vendor-manifests/ from the real wheels (downloaded into ~/.cache/sm120patch/wheels).
 manifests: install

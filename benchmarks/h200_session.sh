@@ -4,6 +4,7 @@
 # image's Python 3.12: apache-tvm-ffi (FlashInfer needs it) and libcst (sm120patch needs it).
 #   bash benchmarks/h200_session.sh build     # doctor, apply, verify, build + load, cuobjdump, revert
 #   bash benchmarks/h200_session.sh restart   # the JIT restart-cost benchmark
+#   bash benchmarks/h200_session.sh warm      # apply --build: its time, and the first use after it
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -32,6 +33,19 @@ build)
     step sm120patch status "${P[@]}"
     step sm120patch revert "${P[@]}"
     step build_and_load 12.0a
+    ;;
+warm)
+    # 1. Plain apply: the server's first use compiles trtllm_comm.
+    step sm120patch apply "${P[@]}"
+    step env FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/first_use.py --label "first use after apply"
+    step sm120patch revert "${P[@]}"
+    # 2. apply --build: sm120patch compiles it (FlashInfer's JIT, every core), the server does not.
+    step /usr/bin/time -f "apply --build wall time: %e s" python3 -m sm120patch apply "${P[@]}" --build
+    step env FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/first_use.py --label "first use after apply --build"
+    step sm120patch status "${P[@]}"
+    # 3. build on an already patched environment: nothing to compile, proven at once.
+    step sm120patch build "${P[@]}"
+    step sm120patch revert "${P[@]}"
     ;;
 restart)
     step sm120patch apply "${P[@]}"

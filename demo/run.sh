@@ -23,6 +23,8 @@ for arch in 120a 90a_120a; do
     for module in trtllm_comm norm sampling; do
         mkdir -p "$DEMO/home/.cache/flashinfer/0.6.4/$arch/cached_ops/$module"
         echo "demo stand-in" > "$DEMO/home/.cache/flashinfer/0.6.4/$arch/cached_ops/$module/$module.so"
+        mkdir -p "$DEMO/home/.cache/flashinfer/0.6.4/$arch/cached_ops/tmp"  # FlashInfer's build locks
+        touch "$DEMO/home/.cache/flashinfer/0.6.4/$arch/cached_ops/tmp/$module.lock"
     done
 done
 
@@ -40,4 +42,4 @@ run status
 
 echo
 echo "# JIT cache modules left in $DEMO/home/.cache/flashinfer/0.6.4:"
-(cd "$DEMO/home/.cache/flashinfer/0.6.4" && find . -mindepth 3 -maxdepth 3 -type d | sort)
+(cd "$DEMO/home/.cache/flashinfer/0.6.4" && find . -mindepth 3 -maxdepth 3 -type d ! -name tmp | sort)

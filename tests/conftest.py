@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, make_venv
+from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, make_venv, need
 from sm120patch.wheels import default_cache, fetch_wheel
 
 # Resolved once, from the real environment, before any test moves HOME.
@@ -98,3 +98,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if WHEEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in NEEDS_WHEELS:
             item.add_marker(pytest.mark.wheels)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user can reach (pytest's own are 0700), for tests that run sm120patch
+    as another user: needs root, setpriv and /usr/bin/python3. Removed afterwards."""
+    need(os.geteuid() == 0, "running sm120patch as another user needs root")
+    need(shutil.which("setpriv") is not None and shutil.which("python3", path="/usr/bin") is not None,
+         "needs setpriv and /usr/bin/python3 to run as another user")
+    shared = Path(os.environ.get("TMPDIR", "/tmp")) / f"sm120patch-shared-{os.getpid()}"
+    shutil.rmtree(shared, ignore_errors=True)
+    shared.mkdir(mode=0o755)
+    yield shared
+    shutil.rmtree(shared, ignore_errors=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -176,3 +177,24 @@ def sm120patch_argv(env: ServingEnv, *args: str, python: str = sys.executable) -
     """The command line of a separate sm120patch process against ``env``."""
     return [python, "-m", "sm120patch", args[0], "--python", str(env.python), "--jit-cache-base", str(env.home),
             *args[1:]]
+
+
+def run_as_nobody(argv: list[str], shared: Path, **env: str) -> subprocess.CompletedProcess:
+    """``argv`` (a ``python -m sm120patch ...`` line) run as the user nobody, from a
+    world-readable copy of sm120patch, its data and the libraries it imports, made once under
+    ``shared`` (nobody may not be able to read this checkout: a 0700 temporary clone)."""
+    import click
+    import libcst
+    import packaging
+
+    copy = shared / "sm120patch-copy"
+    if not copy.exists():
+        shutil.copytree(ROOT / "src", copy / "src")
+        for data in ("patches", "vendor-manifests"):
+            shutil.copytree(ROOT / data, copy / data)
+        for module in (libcst, click, packaging):
+            shutil.copytree(Path(module.__file__).parent, copy / "deps" / module.__name__)
+        subprocess.run(["chmod", "-R", "a+rX", str(copy)], check=True)
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv],
+                          capture_output=True, text=True, cwd="/",
+                          env=dict(os.environ, PYTHONPATH=f"{copy / 'src'}{os.pathsep}{copy / 'deps'}", **env))

@@ -4,7 +4,6 @@ the build itself, and the first use after it, are measured on the H200 (docs/h20
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from helpers import COMM, changed, one_clear_error, run_cli, snapshot
-from sm120patch.cli import cli
 from sm120patch.errors import ExitCode
 
 COMMANDS = ["status", "apply", "revert", "diff", "verify", "doctor", "bench", "build", "export", "list"]

@@ -67,22 +67,28 @@ def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeyp
     assert changed(before, snapshot(serving_env)) == []
 
 
+def raise_after_two_files(monkeypatch, exc: type[BaseException]) -> dict:
+    """Make the transaction raise ``exc`` right after it has written the second package file."""
+    real_write = transaction.atomic_write
+    writes = {"n": 0}
+
+    def write_then_raise(path, data, **kwargs):
+        real_write(path, data, **kwargs)
+        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
+            writes["n"] += 1
+            if writes["n"] == 2:
+                raise exc
+
+    monkeypatch.setattr(transaction, "atomic_write", write_then_raise)
+    return writes
+
+
 def test_ctrl_c_in_the_middle_runs_the_real_rollback(sm120patch, serving_env, monkeypatch):
     """KeyboardInterrupt after the second package file: exit 130, and the rollback that really
     runs on Ctrl-C leaves nothing changed anywhere (files, state, JIT entries)."""
     serving_env.seed_jit()
     before = snapshot(serving_env)
-    real_write = transaction.atomic_write
-    writes = {"n": 0}
-
-    def interrupted_after_two_files(path, data, **kwargs):
-        real_write(path, data, **kwargs)
-        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
-            writes["n"] += 1
-            if writes["n"] == 2:
-                raise KeyboardInterrupt
-
-    monkeypatch.setattr(transaction, "atomic_write", interrupted_after_two_files)
+    writes = raise_after_two_files(monkeypatch, KeyboardInterrupt)
     result = sm120patch("apply", "--flashinfer", "0.6.4")
     monkeypatch.undo()
     assert writes["n"] == 2
@@ -98,20 +104,10 @@ def test_a_journal_left_by_a_kill_is_rolled_back_by_the_next_run(sm120patch, ser
     and the next apply rolls it back first, then applies."""
     serving_env.seed_jit()
     before = snapshot(serving_env)
-    real_write = transaction.atomic_write
-    writes = {"n": 0}
-
     class Killed(BaseException):
         pass
 
-    def killed_after_two_files(path, data, **kwargs):
-        real_write(path, data, **kwargs)
-        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
-            writes["n"] += 1
-            if writes["n"] == 2:
-                raise Killed
-
-    monkeypatch.setattr(transaction, "atomic_write", killed_after_two_files)
+    raise_after_two_files(monkeypatch, Killed)
     monkeypatch.setattr(transaction, "rollback", lambda *a, **k: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         sm120patch("apply", "--flashinfer", "0.6.4")

@@ -121,6 +121,12 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
             raise UsageError(f"cannot tell which GPUs to build {module} for: {events['error']}",
                              hint="pass --arch with the server's compute capability, e.g. --arch 12.0a")
         detail = "\n".join(tail)
+        if "cannot find -lcuda" in detail:  # every object compiled; the link needs libcuda
+            raise CheckFailedError(
+                f"FlashInfer compiled {module} but could not link it: no libcuda (the CUDA driver, or the toolkit's "
+                "stub in $CUDA_HOME/lib64/stubs, which FlashInfer links against); the half-built entry was removed",
+                hint="build where the driver is, or in an image with the CUDA toolkit's stubs (the nvidia/cuda "
+                     "*-devel images have lib64/stubs/libcuda.so)")
         raise CheckFailedError(f"FlashInfer's JIT build of {module} failed after {elapsed:.0f} s: {events['error']}"
                                + ("; the patched sources are in place, the half-built entry was removed"
                                   if where and not events.get("existed") else ""),

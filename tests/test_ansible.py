@@ -1,0 +1,143 @@
+"""The Ansible collection (integrations/ansible) with the real ansible-core from PyPI, against
+localhost (connection local), on throwaway environments with the real wheels: changed only
+when something changed, check mode changes nothing, diff mode shows the diff, state absent
+restores the RECORD bytes, a refusal fails with sm120patch's own line and exit code."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import COMM, HEADER, ROOT, changed, snapshot
+
+COLLECTIONS = ROOT / "integrations" / "ansible"
+COLLECTION = COLLECTIONS / "ansible_collections" / "sm120patch" / "fleet"
+SM120PATCH = Path(sys.executable).parent / "sm120patch"
+pytestmark = pytest.mark.wheels  # ansible-core is downloaded
+
+
+@pytest.fixture(scope="session")
+def ansible(tmp_path_factory) -> Path:
+    """A virtual environment with ansible-core from PyPI; its bin directory."""
+    venv = tmp_path_factory.mktemp("ansible") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    "ansible-core"], check=True)
+    return venv / "bin"
+
+
+def play(ansible: Path, tmp_path: Path, tasks: list[dict], *flags: str, handlers: list[dict] | None = None) -> dict:
+    """Run ``tasks`` on localhost; each task's registered result (failures included) and the
+    play recap's counts."""
+    out = tmp_path / "results.json"
+    registered = [{**task, "register": f"r{i}", "ignore_errors": True} for i, task in enumerate(tasks)]
+    collect = {"ansible.builtin.copy": {
+        "dest": str(out), "content": "{{ " + "[" + ", ".join(f"r{i}" for i in range(len(tasks))) + "] | to_json }}"},
+        "check_mode": False, "diff": False}
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [*registered, collect],
+                                     "handlers": handlers or []}]))
+    env = {"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS), "ANSIBLE_LOCALHOST_WARNING": "false",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
+           "PATH": f"{ansible}:/usr/bin:/bin", "HOME": str(tmp_path), "ANSIBLE_NOCOLOR": "1"}
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([str(ansible / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", f"ansible_python_interpreter={ansible / 'python'}", *flags, str(playbook)],
+                          capture_output=True, text=True, env=env)
+    assert out.exists(), proc.stdout + proc.stderr
+    recap = re.search(r"localhost\s*:\s*ok=(\d+)\s+changed=(\d+)", proc.stdout)
+    return {"results": json.loads(out.read_text()), "changed": int(recap.group(2)) if recap else None,
+            "output": proc.stdout}
+
+
+def results(document: dict) -> list[dict]:
+    return document["results"]
+
+
+def patch_task(env, **extra) -> dict:
+    return {"sm120patch.fleet.patch": {"python": str(env.python), "jit_cache_base": str(env.home),
+                                       "executable": str(SM120PATCH), **extra}}
+
+
+def test_present_then_unchanged_then_absent(ansible, serving_env, tmp_path):
+    serving_env.seed_jit()
+    first = results(play(ansible, tmp_path, [patch_task(serving_env, flashinfer="0.6.4", sglang="any")]))
+    assert first[0]["changed"] is True and not first[0].get("failed"), first
+    assert "[9, 10, 12]" in serving_env.file(COMM).read_text()
+    second = results(play(ansible, tmp_path, [patch_task(serving_env, flashinfer="0.6.4")]))
+    assert second[0]["changed"] is False, second
+    absent = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")]))
+    assert absent[0]["changed"] is True
+    assert serving_env.record_mismatches() == []
+    again = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")]))
+    assert again[0]["changed"] is False
+
+
+def test_check_mode_changes_nothing_and_diff_mode_shows_the_diff(ansible, serving_env, tmp_path):
+    serving_env.seed_jit()
+    before = snapshot(serving_env)
+    checked = results(play(ansible, tmp_path, [patch_task(serving_env)], "--check", "--diff"))
+    assert checked[0]["changed"] is True  # what would change
+    assert "+        supported_major_versions=[9, 10, 12]" in checked[0]["diff"]["prepared"]
+    assert changed(before, snapshot(serving_env)) == []
+    # Absent in check mode on a pristine environment: nothing would change, nothing changes.
+    absent = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert absent[0]["changed"] is False
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_a_drifted_file_fails_with_the_refusal(ansible, serving_env, tmp_path):
+    header = serving_env.file(HEADER)
+    header.write_text(header.read_text() + "// tuned by hand\n")
+    before = snapshot(serving_env)
+    failed = results(play(ansible, tmp_path, [patch_task(serving_env)]))
+    assert failed[0]["failed"] is True
+    assert failed[0]["msg"].startswith("sm120patch: error: refusing to patch flashinfer-python")
+    assert "(exit code 3)" in failed[0]["msg"] and failed[0]["exit_code"] == 3
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_status_module_reports_facts(ansible, serving_env, tmp_path):
+    task = {"sm120patch.fleet.status": {"python": str(serving_env.python), "executable": str(SM120PATCH)}}
+    (before,) = results(play(ansible, tmp_path, [task]))
+    assert before["patched"] is False and before["changed"] is False and before["exit_code"] == 1
+    assert [d["name"] for d in before["status"]["distributions"]] == ["flashinfer-python", "sglang"]
+    results(play(ansible, tmp_path, [patch_task(serving_env)]))
+    (after,) = results(play(ansible, tmp_path, [task]))
+    assert after["patched"] is True and after["exit_code"] == 0
+
+
+def test_the_rollout_role_installs_applies_verifies_and_notifies(ansible, serving_env, tmp_path):
+    marker = tmp_path / "restarted"
+    role = {"ansible.builtin.include_role": {"name": "sm120patch.fleet.rollout"},
+            "vars": {"sm120patch_source": str(ROOT), "sm120patch_venv": str(tmp_path / "sm120patch-venv"),
+                     "sm120patch_venv_python": sys.executable, "sm120patch_python": str(serving_env.python),
+                     "sm120patch_jit_cache_base": str(serving_env.home), "sm120patch_notify": ["restart server"]}}
+    handler = {"name": "restart server", "ansible.builtin.file": {"path": str(marker), "state": "touch"}}
+    first = play(ansible, tmp_path, [role], handlers=[handler])
+    assert not any(r.get("failed") for r in results(first)), first["output"]
+    assert marker.exists() and "[9, 10, 12]" in serving_env.file(COMM).read_text()
+    marker.unlink()
+    second = play(ansible, tmp_path, [role], handlers=[handler])
+    assert second["changed"] == 1, second["output"]  # only the final results file: nothing else changed
+    assert not marker.exists()  # nothing changed: no restart
+
+
+def test_the_module_documentation_matches_its_arguments(ansible):
+    """ansible-doc parses DOCUMENTATION; its options are exactly the module's arguments."""
+    import ast
+
+    for name in ("patch", "status"):
+        proc = subprocess.run([str(ansible / "ansible-doc"), "-t", "module", "--json", f"sm120patch.fleet.{name}"],
+                              capture_output=True, text=True, env={"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS),
+                                                                   "PATH": f"{ansible}:/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        documented = set(json.loads(proc.stdout)[f"sm120patch.fleet.{name}"]["doc"]["options"])
+        source = (COLLECTION / "plugins" / "modules" / f"{name}.py").read_text()
+        spec = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.keyword) and n.arg == "argument_spec")
+        assert documented == {ast.literal_eval(k) for k in spec.value.keys}, name
