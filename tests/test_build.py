@@ -79,3 +79,21 @@ def test_a_failed_build_leaves_no_half_written_entry(runtime_env, monkeypatch, t
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
+
+
+def test_verify_build_reports_a_failed_build(runtime_env, monkeypatch, tmp_path):
+    """`verify --build` through the CLI: FlashInfer's build in a temporary workspace; without a
+    compiler it fails, and verify says so (exit 1) and leaves the server's cache alone."""
+    session = Session(runtime_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    before = snapshot(runtime_env)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    try:
+        result = session("verify", "--build")
+        assert result.exit_code == ExitCode.NOT_OK
+        assert "FAIL  build" in result.output and "trtllm_comm JIT build (12.0a)" in result.output
+        assert changed(before, snapshot(runtime_env)) == []
+    finally:
+        monkeypatch.undo()
+        assert session("revert").exit_code == 0

@@ -100,6 +100,7 @@ def test_doctor_on_the_h200_outputs(sm120patch, fake_nvidia_smi):
 def test_doctor_on_a_pcie_sm120_box_warns_to_benchmark(sm120patch, fake_nvidia_smi):
     fake_nvidia_smi("sm120x4-query.csv", "sm120x4-topo.txt")
     result = sm120patch("doctor")
+    assert result.exit_code == 0, result.output
     assert result.output.count("compute capability 12.0") == 4
     assert "WARN  GPUs talk over PCIe only (no NVLink)" in result.output
     assert "benchmark" in result.output
@@ -115,3 +116,14 @@ def test_doctor_without_nvidia_smi_still_reports_the_rest(sm120patch, monkeypatc
     assert "nvcc not found on PATH" in result.output
     assert "sglang 0.5.9 uses fusion on SM120 only with --enable-flashinfer-allreduce-fusion" in result.output
     assert "sglang 0.5.9 pins flashinfer-python==0.6.3; 0.6.4 is installed" in result.output
+
+
+def test_doctor_json_is_one_document(sm120patch, fake_nvidia_smi):
+    import json
+
+    fake_nvidia_smi("sm120x4-query.csv", "sm120x4-topo.txt")
+    result = sm120patch("doctor", "--json")
+    assert result.exit_code == 0
+    document = json.loads(result.output)
+    text = json.dumps(document)
+    assert "12.0" in text and "PCIe" in text and "flashinfer-python" in text

@@ -65,3 +65,19 @@ def test_every_pinned_release_has_a_manifest_for_every_file():
             manifest = load_manifest(patch_set.distribution, str(version))
             assert manifest is not None, (patch_set.distribution, version)
             assert set(manifest.files) == set(patch_set.files)
+
+
+def test_manifest_build_check_through_the_cli(wheel_cache, tmp_path):
+    """`sm120patch manifest build --check` over every pinned release: exit 0, one `ok` line
+    each, nothing written; a changed manifest is found and exit 1."""
+    from helpers import run_cli
+
+    ok = run_cli("manifest", "build", "--check", "--wheel-cache", str(wheel_cache))
+    assert ok.exit_code == 0, ok.output
+    lines = ok.output.splitlines()
+    assert len(lines) == sum(len(ps.versions) for ps in load_registry().patch_sets) and all(l.startswith("ok") for l in lines)
+    out = tmp_path / "manifests"
+    written = run_cli("manifest", "build", "--wheel-cache", str(wheel_cache), "--out", str(out))
+    assert written.exit_code == 0
+    target = out / "flashinfer-python" / "0.6.4.json"
+    assert target.read_text() == manifest_path("flashinfer-python", "0.6.4").read_text()
