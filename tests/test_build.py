@@ -97,3 +97,30 @@ def test_verify_build_reports_a_failed_build(runtime_env, monkeypatch, tmp_path)
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
+
+
+@pytest.mark.nvcc
+def test_a_gpu_less_build_compiles_everything_then_explains_the_link(runtime_env):
+    """An image build: no GPU, no driver, `--arch 12.0a`. FlashInfer's JIT compiles every source
+    of the patched trtllm_comm for sm_120a (minutes); linking needs libcuda, which only the
+    driver or the CUDA toolkit's stub provides, and this machine's toolkit (assembled from PyPI's
+    nvidia-cuda-* wheels) has no stub and no PyPI package ships one. So the test stops there:
+    exit 1, the reason in one line, and no half-written entry."""
+    from sm120patch.ptx import find_nvcc
+
+    from helpers import need
+
+    need(find_nvcc() is not None, "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
+    session = Session(runtime_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    try:
+        result = session("build", "--arch", "12.0a")
+        entry = runtime_env.jit_entry("120a", "trtllm_comm")
+        if result.exit_code == 0:  # a machine with a driver or the stub: the whole path, proven
+            assert "built trtllm_comm for 120a" in result.output and (entry / "trtllm_comm.so").exists()
+        else:
+            assert result.exit_code == ExitCode.NOT_OK, result.output
+            one_clear_error(result.output, "FlashInfer compiled trtllm_comm but could not link it: no libcuda")
+            assert not entry.exists()
+    finally:
+        assert session("revert").exit_code == 0
