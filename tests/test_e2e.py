@@ -185,6 +185,41 @@ def test_hand_edited_file_is_refused_then_forced(sm120patch, serving_env):
     assert "expected 13 site(s)" in forced.output
 
 
+def test_force_patches_a_drifted_file_by_meaning_and_revert_restores_its_bytes(sm120patch, serving_env):
+    """A local change the rewriters can still read (a comment at the top of comm.py): refused,
+    then patched by meaning with --force, shown as forced and unpinned, and revert puts back the
+    bytes sm120patch replaced (the user's change), not the release's."""
+    comm = serving_env.file(COMM)
+    edited = "# local: pinned build of our image\n" + comm.read_text()
+    comm.write_text(edited)
+    assert sm120patch("apply", "--flashinfer").exit_code == ExitCode.REFUSED
+    forced = sm120patch("apply", "--flashinfer", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert comm.read_text().startswith("# local: pinned build") and "[9, 10, 12]" in comm.read_text()
+    status = sm120patch("status", "--flashinfer")
+    assert "jit-gate        applied (forced)" in status.output
+    assert "applied with --force to bytes no vendor manifest vouches for (unpinned)" in status.output
+    assert sm120patch("revert", "--flashinfer").exit_code == 0
+    assert comm.read_text() == edited
+    assert serving_env.record_mismatches() == [COMM]
+
+
+def test_status_reports_a_stale_entry(sm120patch, serving_env):
+    """An entry older than the patched sources (built before, copied in, restored from a
+    backup) is stale: status says so; apply moves it out of the way."""
+    import os
+
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    (entry / "trtllm_comm.so").write_bytes(b"\x7fELF")
+    os.utime(entry / "trtllm_comm.so", (1_000_000, 1_000_000))
+    status = sm120patch("status", "--flashinfer")
+    assert "stale" in status.output and str(entry) in status.output
+    again = sm120patch("apply", "--flashinfer")
+    assert again.exit_code == 0 and f"removed stale entry {entry}" in again.output and not entry.exists()
+
+
 def test_reinstall_that_dropped_the_patches_is_reported(sm120patch, serving_env, flashinfer_wheel):
     import subprocess
     import sys
