@@ -39,9 +39,6 @@ options:
     type: list
     elements: str
     default: []
-  jit_cache_base:
-    description: Base of FlashInfer's JIT cache, the server user's C($FLASHINFER_WORKSPACE_BASE) or C($HOME).
-    type: path
   force:
     description: Patch files that are not the release's bytes by meaning (apply), or restore the release's bytes over hand edits (revert).
     type: bool
@@ -50,12 +47,8 @@ options:
     description: After applying, build trtllm_comm into the server's JIT cache (C(sm120patch apply --build)).
     type: bool
     default: false
-  executable:
-    description: The sm120patch command on the managed host.
-    type: path
-    default: sm120patch
-author:
-  - sm120patch contributors
+extends_documentation_fragment:
+  - sm120patch.fleet.target
 """
 
 EXAMPLES = r"""

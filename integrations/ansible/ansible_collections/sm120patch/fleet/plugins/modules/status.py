@@ -18,15 +18,8 @@ options:
     description: The interpreter the server runs.
     type: path
     required: true
-  jit_cache_base:
-    description: Base of FlashInfer's JIT cache, the server user's C($FLASHINFER_WORKSPACE_BASE) or C($HOME).
-    type: path
-  executable:
-    description: The sm120patch command on the managed host.
-    type: path
-    default: sm120patch
-author:
-  - sm120patch contributors
+extends_documentation_fragment:
+  - sm120patch.fleet.target
 """
 
 EXAMPLES = r"""
