@@ -18,7 +18,7 @@ from sm120patch.errors import ExitCode, PatchDataError
 from sm120patch.hashing import sha256
 from sm120patch.manifests import FileHashes, Manifest, load_manifest
 from sm120patch.patchsets import Patch, PatchSet
-from sm120patch.semantics import CHECKS
+from sm120patch.semantics import evaluate
 from sm120patch.state import Ledger, LedgerFile
 from sm120patch.trees import FileRead
 
@@ -129,10 +129,6 @@ class Assessment:
         return [p.id for p in self.patch_set.patches if p.id in listed]
 
     @property
-    def hand_edits(self) -> list[FileAssessment]:
-        return [fa for fa in self.files.values() if fa.origin is Origin.BY_HAND]
-
-    @property
     def links(self) -> list[FileAssessment]:
         return [fa for fa in self.files.values() if fa.link is not None]
 
@@ -218,17 +214,14 @@ def _drift_detail(data: bytes, patches: Sequence[Patch], edited_after_patching: 
     is the common case)."""
     head = ("changed after sm120patch patched it" if edited_after_patching else "changed by hand")
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError:
         return f"{head}: not the release's bytes, not UTF-8 text"
     found = []
     for patch in patches:
-        try:
-            ok, detail = CHECKS[patch.check](text)
-        except (SyntaxError, ValueError) as exc:
-            found.append(f"{patch.id}: cannot parse ({exc})")
-            continue
-        found.append(f"{patch.id} {'present' if ok else 'absent'} ({detail})")
+        ok, detail = evaluate(patch.check, data)
+        found.append(f"{patch.id}: cannot parse ({detail})" if ok is None
+                     else f"{patch.id} {'present' if ok else 'absent'} ({detail})")
     return f"{head}, not the release's bytes: " + "; ".join(found)
 
 
@@ -237,10 +230,7 @@ def present_by_meaning(tree, patch: Patch) -> bool:
     read = tree.read(patch.file)
     if read.data is None:
         return False
-    try:
-        return CHECKS[patch.check](read.data.decode("utf-8"))[0]
-    except (SyntaxError, ValueError, UnicodeDecodeError):
-        return False
+    return evaluate(patch.check, read.data)[0] is True
 
 
 # -- exit codes -------------------------------------------------------------------------------

@@ -155,9 +155,6 @@ class Registry:
                 return distribution
         raise KeyError(name)
 
-    def by_option(self, option: str) -> Distribution:
-        return next(d for d in self.distributions if d.option == option)
-
     @property
     def patch_sets(self) -> list[PatchSet]:
         return [ps for d in self.distributions for ps in d.patch_sets]

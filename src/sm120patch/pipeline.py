@@ -23,6 +23,7 @@ from sm120patch.checkout import Commit, Undo, commit_plan, refuse_dirty, revert_
 from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
+from sm120patch.hashing import sha256
 from sm120patch.plan import Plan, ReleaseBytes, plan_apply, plan_revert
 from sm120patch.state import Owner, state_root
 from sm120patch.transaction import (
@@ -173,8 +174,6 @@ def release_bytes(tree, request: Request, *, download: bool) -> ReleaseBytes | N
             data, listed = manifests.wheel_file(wheel, relpath)
         except Sm120PatchError:
             return None
-        from sm120patch.hashing import sha256
-
         return (data, f"release wheel {wheel.name}") if sha256(data) == expected == listed else None
 
     return get
@@ -345,29 +344,22 @@ class ChangeReport:
             (r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed) for r in self.results))
 
 
-def _selected_ids(located: Located, with_ids: Sequence[str], registry: Registry) -> None:
+def _selected_ids(located: Located, with_ids: Sequence[str]) -> None:
     """Every --with id must be a patch of some selected distribution's pinned set."""
     if not with_ids:
         return
-    known: dict[str, set[str]] = {}
+    sets = {}
     for tree in located.trees:
         patch_set = tree.distribution.find(tree.version) or tree.distribution.closest_set(tree.version)
         if patch_set is not None:
-            known[tree.distribution.name] = {p.id for p in patch_set.patches}
-    unknown = [i for i in with_ids if not any(i in ids for ids in known.values())]
+            sets[tree.distribution.name] = patch_set
+    unknown = [i for i in with_ids if not any(p.id == i for ps in sets.values() for p in ps.patches)]
     if unknown:
-        offered = "; ".join(f"{name}: {', '.join(sorted(i for i in ids if not _required(located, name, i))) or 'none'}"
-                            for name, ids in known.items())
+        offered = "; ".join(f"{name}: {', '.join(sorted(ps.opt_in)) or 'none'}" for name, ps in sets.items())
         raise UsageError(f"--with {','.join(unknown)}: no such patch (opt-in patches here: {offered or 'none'})")
 
 
-def _required(located: Located, name: str, patch_id: str) -> bool:
-    tree = next(t for t in located.trees if t.distribution.name == name)
-    patch_set = tree.distribution.find(tree.version) or tree.distribution.closest_set(tree.version)
-    return any(p.id == patch_id and p.required for p in patch_set.patches)
-
-
-def _no_set(a: Assessment, located: Located) -> RefusedError:
+def _no_set(a: Assessment) -> RefusedError:
     closest = a.distribution.closest_set(a.tree.version)
     return RefusedError(
         a.reason,
@@ -382,7 +374,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     located = locate(request, registry)
     if not located.trees:
         raise _nothing_installed(located, registry)
-    _selected_ids(located, request.with_ids, registry)
+    _selected_ids(located, request.with_ids)
     report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed)
     with _hold(located, request):
         if request.dry_run:
@@ -398,7 +390,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
                 if a.fixed_upstream:
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
-                raise _no_set(a, located)
+                raise _no_set(a)
             ids = [i for i in request.with_ids if any(p.id == i for p in a.patch_set.patches)]
             plan = plan_apply(a, a.patch_set.select(ids), force=request.force,
                               release=release_bytes(tree, request, download=not request.dry_run))
@@ -406,7 +398,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
                 refuse_dirty(tree)
             plans.append(plan)
             report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, plan))
-        report.aot = _aot(located, registry)
+        report.aot = _aot(located)
         if request.dry_run:
             return report
         _write(report, located, plans, request, operation="apply")
@@ -479,7 +471,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                 continue
             plans.append(plan)
             report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, plan))
-        report.aot = _aot(located, registry)
+        report.aot = _aot(located)
         _write(report, located, plans, request, operation="revert")
     return report
 
@@ -528,7 +520,7 @@ def _assess(tree, *, force_unknown: bool = False) -> Assessment:
     return assess(tree, tree.distribution, ledger=ledger, force_unknown=force_unknown)
 
 
-def _aot(located: Located, registry: Registry) -> list[jitcache.AotShadow]:
+def _aot(located: Located) -> list[jitcache.AotShadow]:
     return [shadow for tree in located.installed if tree.distribution.jit_module
             for shadow in jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)]
 
@@ -578,7 +570,7 @@ def _changes(plan: Plan, operation: str) -> list[Change]:
     changes = []
     for planned in plan.files:
         if operation == "apply" and planned.original is not None and state.saved_original(
-                planned.relpath, sha256_or_none(planned.original)) is None:
+                planned.relpath, sha256(planned.original)) is None:
             if planned.replaces_link is None and planned.current == planned.original:
                 # The file being replaced is the original: keep its inode (a hard link, no new space).
                 changes.append(Change("restore", state.original(planned.relpath), root, source=planned.path,
@@ -604,12 +596,6 @@ def _changes(plan: Plan, operation: str) -> list[Change]:
         elif state.ledger_path.exists():
             changes.append(Change("remove", state.ledger_path, root, label=f"{plan.assessment.name} ledger"))
     return changes
-
-
-def sha256_or_none(data: bytes | None) -> str:
-    from sm120patch.hashing import sha256
-
-    return sha256(data) if data is not None else ""
 
 
 def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,

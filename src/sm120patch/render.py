@@ -19,10 +19,15 @@ def _tokens(n: int, word: str) -> str:
 
 # -- status ----------------------------------------------------------------------------------------
 
-def _patch_word(item: TreeStatus, patch, state: PatchState) -> str:
-    if isinstance(item.tree, CheckoutTree):
+def _patch_word(item: TreeStatus, patch) -> str:
+    """A checkout, or a release no patch set pins, is judged by meaning; an install by hash."""
+    a = item.assessment
+    state = a.patch_state(patch) if a.patch_set is not None else PatchState.PRISTINE
+    if isinstance(item.tree, CheckoutTree) or a.patch_set is None:
         present = item.by_meaning.get(patch.id, state is PatchState.APPLIED)
-        return "in HEAD" if present else "not in HEAD"
+        if isinstance(item.tree, CheckoutTree):
+            return "in HEAD" if present else "not in HEAD"
+        return "present" if present else "absent"
     word = state.value
     fa = item.assessment.files.get(patch.file)
     if state is PatchState.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
@@ -78,13 +83,7 @@ def render_status(report: StatusReport) -> str:
         if shown is not None and (a.patch_set is not None or item.by_meaning):
             width = max(len(p.id) for p in shown.patches)
             for patch in shown.patches:
-                state = a.patch_state(patch) if a.patch_set is not None else PatchState.PRISTINE
-                if a.patch_set is None:
-                    word = "present" if item.by_meaning.get(patch.id) else "absent"
-                    if isinstance(tree, CheckoutTree):
-                        word = "in HEAD" if item.by_meaning.get(patch.id) else "not in HEAD"
-                else:
-                    word = _patch_word(item, patch, state)
+                word = _patch_word(item, patch)
                 kind = "" if patch.required else " (opt-in)"
                 fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
                 lines.append(f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}")

@@ -20,6 +20,15 @@ def check(patch_id: str) -> Callable[[Check], Check]:
     return register
 
 
+def evaluate(name: str, data: bytes) -> tuple[bool | None, str]:
+    """Run the check ``name`` on a file's bytes: (present, why), or (None, why) when the file is
+    not UTF-8 text or does not parse (every caller says that in its own words)."""
+    try:
+        return CHECKS[name](data.decode("utf-8"))
+    except (SyntaxError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        return None, str(exc)
+
+
 def _functions(tree: ast.AST, name: str) -> list[ast.FunctionDef]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
 

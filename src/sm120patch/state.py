@@ -114,10 +114,6 @@ class Ledger:
     unpinned: bool = False  # applied by meaning to a release no patch set pins (--force)
     patch_set: str | None = None
 
-    @property
-    def patch_ids(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p for f in self.files.values() for p in f.patches))
-
     def to_bytes(self) -> bytes:
         document = {
             "format": LEDGER_FORMAT,

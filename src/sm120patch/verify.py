@@ -25,7 +25,7 @@ from sm120patch import ptx
 from sm120patch.assess import FileState, PatchState
 from sm120patch.errors import ExitCode, Sm120PatchError
 from sm120patch.pipeline import StatusReport, TreeStatus
-from sm120patch.semantics import CHECKS
+from sm120patch.semantics import evaluate
 
 PTX_ARCHS = ("120a", "90a", "100a")
 
@@ -61,10 +61,9 @@ def static_checks(item: TreeStatus) -> list[CheckResult]:
             f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is PatchState.APPLIED else ""),
         ))
         if fa.state is not FileState.MISSING and fa.read.data is not None:
-            try:
-                ok, detail = CHECKS[patch.check](fa.read.data.decode("utf-8"))
-            except (SyntaxError, ValueError) as exc:
-                ok, detail = False, f"cannot parse {patch.file} ({exc})"
+            ok, detail = evaluate(patch.check, fa.read.data)
+            if ok is None:
+                ok, detail = False, f"cannot parse {patch.file} ({detail})"
             results.append(CheckResult("semantic", f"{a.name} {patch.id}", ok, detail))
     return results
 
