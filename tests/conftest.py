@@ -17,6 +17,24 @@ from sm120patch.wheels import default_cache, fetch_wheel
 
 # Resolved once, from the real environment, before any test moves HOME.
 os.environ.setdefault("SM120PATCH_WHEEL_CACHE", str(default_cache()))
+REAL_HOME = Path.home()
+# What a test run may add to the real $HOME: the caches of the real wheels and of pip.
+HOME_ALLOWED = {".cache", ".cache/sm120patch", ".cache/pip"}
+
+
+def _home_entries() -> set[str]:
+    found = {p.name for p in REAL_HOME.iterdir()} if REAL_HOME.is_dir() else set()
+    cache = REAL_HOME / ".cache"
+    return found | ({f".cache/{p.name}" for p in cache.iterdir()} if cache.is_dir() else set())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _real_home_untouched():
+    """Tests never write to the real $HOME (each test gets its own): checked at the end."""
+    before = _home_entries()
+    yield
+    added = _home_entries() - before - HOME_ALLOWED
+    assert not added, f"the test run wrote to the real $HOME: {sorted(added)}"
 
 
 @pytest.fixture(scope="session")

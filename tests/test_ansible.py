@@ -31,6 +31,15 @@ def ansible(tmp_path_factory) -> Path:
     return venv / "bin"
 
 
+def ansible_env(ansible: Path, tmp_path: Path) -> dict[str, str]:
+    """Ansible's environment: this collection, and a HOME of the test's own (ansible writes
+    ~/.ansible/tmp otherwise: tests never touch the real $HOME)."""
+    return {"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS), "ANSIBLE_LOCALHOST_WARNING": "false",
+            "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
+            "ANSIBLE_REMOTE_TMP": str(tmp_path / "ansible-remote-tmp"), "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"),
+            "PATH": f"{ansible}:/usr/bin:/bin", "HOME": str(tmp_path), "ANSIBLE_NOCOLOR": "1"}
+
+
 def play(ansible: Path, tmp_path: Path, tasks: list[dict], *flags: str, handlers: list[dict] | None = None) -> dict:
     """Run ``tasks`` on localhost; each task's registered result (failures included) and the
     play recap's counts."""
@@ -42,9 +51,7 @@ def play(ansible: Path, tmp_path: Path, tasks: list[dict], *flags: str, handlers
     playbook = tmp_path / "play.yml"
     playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [*registered, collect],
                                      "handlers": handlers or []}]))
-    env = {"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS), "ANSIBLE_LOCALHOST_WARNING": "false",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_HOME": str(tmp_path / "ansible-home"),
-           "PATH": f"{ansible}:/usr/bin:/bin", "HOME": str(tmp_path), "ANSIBLE_NOCOLOR": "1"}
+    env = ansible_env(ansible, tmp_path)
     out.unlink(missing_ok=True)
     proc = subprocess.run([str(ansible / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                            "-e", f"ansible_python_interpreter={ansible / 'python'}", *flags, str(playbook)],
@@ -128,14 +135,13 @@ def test_the_rollout_role_installs_applies_verifies_and_notifies(ansible, servin
     assert not marker.exists()  # nothing changed: no restart
 
 
-def test_the_module_documentation_matches_its_arguments(ansible):
+def test_the_module_documentation_matches_its_arguments(ansible, tmp_path):
     """ansible-doc parses DOCUMENTATION; its options are exactly the module's arguments."""
     import ast
 
     for name in ("patch", "status"):
         proc = subprocess.run([str(ansible / "ansible-doc"), "-t", "module", "--json", f"sm120patch.fleet.{name}"],
-                              capture_output=True, text=True, env={"ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS),
-                                                                   "PATH": f"{ansible}:/usr/bin:/bin"})
+                              capture_output=True, text=True, env=ansible_env(ansible, tmp_path))
         assert proc.returncode == 0, proc.stderr
         documented = set(json.loads(proc.stdout)[f"sm120patch.fleet.{name}"]["doc"]["options"])
         source = (COLLECTION / "plugins" / "modules" / f"{name}.py").read_text()
