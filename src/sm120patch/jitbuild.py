@@ -49,12 +49,16 @@ except Exception as exc:
 say(build_dir=str(spec.build_dir), library=str(spec.jit_library_path), existed=spec.build_dir.exists(),
     aot=bool(getattr(spec, "is_aot", False)))
 if request["phase"] == "build":
+    def stamp():
+        library = spec.jit_library_path
+        return library.stat().st_mtime_ns if library.exists() else None
+    before = stamp()
     try:
         spec.build(verbose=True)  # FlashInfer's own lock, ninja file and ninja run
     except Exception as exc:
         say(error="%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else ""), kind="build")
         sys.exit(0)
-    say(built=True)
+    say(built=True, compiled=before is None or stamp() != before)
 else:
     from flashinfer.jit.cpp_ext import generate_ninja_build_for_op
     expected = generate_ninja_build_for_op(
@@ -91,6 +95,7 @@ class BuildResult:
     archs: str  # what FlashInfer built for (the entry's arch directory)
     seconds: float
     proof: str  # how the entry was shown to be the one FlashInfer loads at start
+    compiled: bool = True  # False: the entry was up to date, ninja had nothing to do (nothing changed)
 
 
 def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None, owner: Owner | None,
@@ -145,7 +150,7 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     else:
         how = ("a fresh process regenerated the same build.ninja and ninja had no work to do; the library did not "
                f"load here ({proof.get('load_error')}): a machine without a CUDA driver cannot load it")
-    return BuildResult(module, entry, entry.parent.parent.name, elapsed, how)
+    return BuildResult(module, entry, entry.parent.parent.name, elapsed, how, bool(events.get("compiled", True)))
 
 
 def _run_as(owner: Owner | None) -> dict:

@@ -340,8 +340,9 @@ class ChangeReport:
 
     @property
     def changed(self) -> bool:
-        return bool(self.jit_removed or self.leftovers_removed or self.recovery or any(
-            (r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed) for r in self.results))
+        return bool(self.jit_removed or self.leftovers_removed or self.recovery or any(b.compiled for b in self.builds)
+                    or any((r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed)
+                           for r in self.results))
 
 
 def _selected_ids(located: Located, with_ids: Sequence[str]) -> None:

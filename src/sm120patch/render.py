@@ -212,7 +212,8 @@ def render_change(report: ChangeReport) -> str:
     for shadow in report.aot:
         lines.append(f"warning: prebuilt {shadow.path} ({shadow.source}): {AOT_HINT}")
     for built in report.builds:
-        lines.append(f"built {built.module} for {built.archs} in {built.seconds:.0f} s: {built.entry}")
+        lines.append(f"built {built.module} for {built.archs} in {built.seconds:.0f} s: {built.entry}" if built.compiled
+                     else f"{built.module} for {built.archs} was up to date (nothing compiled): {built.entry}")
         lines.append(f"  {built.proof}")
     return "\n".join(lines)
 
@@ -292,6 +293,7 @@ def change_json(report: ChangeReport) -> dict:
         "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
         "build_error": report.build_error.message if report.build_error else None,
         "builds": [{"module": b.module, "entry": str(b.entry), "archs": b.archs, "seconds": round(b.seconds, 1),
+                    "compiled": b.compiled,
                     "proof": b.proof} for b in report.builds],
     }
 
