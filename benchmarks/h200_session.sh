@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_session.sh build     # doctor, apply, verify, build + load, cuobjdump, revert
 #   bash benchmarks/h200_session.sh restart   # the JIT restart-cost benchmark
 #   bash benchmarks/h200_session.sh warm      # apply --build: its time, and the first use after it
+#   bash benchmarks/h200_session.sh owner     # root runs apply --build for nobody's cache base, on a tty
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -46,6 +47,18 @@ warm)
     # 3. build on an already patched environment: nothing to compile, proven at once.
     step sm120patch build "${P[@]}"
     step sm120patch revert "${P[@]}"
+    ;;
+owner)
+    # Root patches a service user's server: the cache base belongs to nobody, so the build runs as
+    # nobody and every file of the entry is nobody's. Under script(1) so that ninja's [n/m] steps
+    # reach a terminal and the progress bar is drawn.
+    rm -rf /tmp/ws2 && mkdir /tmp/ws2 && chown nobody:nogroup /tmp/ws2
+    Q=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws2)
+    step script -qefc "PYTHONPATH=$PYTHONPATH python3 -m sm120patch apply ${Q[*]} --build" /dev/null
+    step sh -c "find /tmp/ws2 ! -user nobody | head; echo \"files not nobody's: \$(find /tmp/ws2 ! -user nobody | wc -l) of \$(find /tmp/ws2 | wc -l)\""
+    step setpriv --reuid nobody --regid nogroup --clear-groups env HOME=/tmp/ws2 FLASHINFER_WORKSPACE_BASE=/tmp/ws2 \
+        /tmp/env/bin/python benchmarks/first_use.py --label "first use as nobody after root's apply --build"
+    step sm120patch revert "${Q[@]}"
     ;;
 restart)
     step sm120patch apply "${P[@]}"

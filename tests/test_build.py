@@ -9,7 +9,7 @@ import pytest
 
 from helpers import Session, changed, one_clear_error, snapshot
 from sm120patch.errors import ExitCode
-from sm120patch.jitbuild import parse_arch
+from sm120patch.jitbuild import arch_note, parse_arch
 from sm120patch.errors import UsageError
 
 
@@ -124,3 +124,75 @@ def test_a_gpu_less_build_compiles_everything_then_explains_the_link(runtime_env
             assert not entry.exists()
     finally:
         assert session("revert").exit_code == 0
+
+
+def test_a_plain_arch_of_sm90_or_later_is_named_as_the_server_would_miss_it():
+    assert parse_arch("12.0") == "12.0"  # a valid list: FLASHINFER_CUDA_ARCH_LIST=12.0 is the user's call
+    note = arch_note("9.0a 12.0")
+    assert "builds for '9.0a 12.0a'" in note and "--arch '9.0a 12.0a'" in note
+    assert arch_note("12.0a") is None and arch_note("8.0 8.6") is None and arch_note(None) is None
+
+
+# What FlashInfer's own code derives, in the serving environment's interpreter: the JIT cache
+# directory and nvcc's arch flags, once from two detected SM120 GPUs (torch's answer is the
+# only thing replaced; there is no SM120 GPU here) and once from the list `--arch 12.0a` sets.
+_DERIVED = """
+import json, sys, torch
+if sys.argv[1] == "detected":
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.get_device_capability = lambda device=None: (12, 0)
+import flashinfer.jit.env as env
+from flashinfer.compilation_context import CompilationContext
+print(json.dumps([str(env.FLASHINFER_JIT_DIR), CompilationContext().get_nvcc_flags_list([9, 10, 12])]))
+"""
+
+
+def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(runtime_env, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")}
+    env["FLASHINFER_WORKSPACE_BASE"] = str(tmp_path)
+    derived = {}
+    for how, extra in (("detected", {}), ("--arch", {"FLASHINFER_CUDA_ARCH_LIST": parse_arch("12.0a")})):
+        out = subprocess.run([str(runtime_env.python), "-c", _DERIVED, how], env=dict(env, **extra),
+                             capture_output=True, text=True, check=True).stdout
+        derived[how] = json.loads(out.splitlines()[-1])
+    assert derived["detected"] == derived["--arch"]
+    jit_dir, flags = derived["--arch"]
+    assert jit_dir.endswith("/120a/cached_ops") and "-gencode=arch=compute_120a,code=sm_120a" in flags
+
+
+class _Terminal:
+    """stderr as a terminal (CliRunner's is not one), collecting what is drawn."""
+
+    def __init__(self):
+        self.text = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty, quiet, drawn", [(True, False, True), (False, False, False), (True, True, False)])
+def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, drawn):
+    import sys
+
+    from sm120patch.cli import BuildProgress
+
+    terminal = _Terminal()
+    terminal.isatty = lambda: tty
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = BuildProgress(quiet=quiet)
+    for step in (1, 2, 3, 4):
+        progress(f"[{step}/4] nvcc ...", step, 4)
+    progress.close()
+    shown = "".join(terminal.text)
+    assert ("building trtllm_comm" in shown and "4/4" in shown) == drawn
+    assert drawn or shown == ""

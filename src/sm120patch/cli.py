@@ -368,7 +368,7 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
 
     request = request_from(python=python, jit_cache_base=jit_cache_base)
     report = pipeline.status(request)
-    progress = None if as_json else (lambda text: click.echo(text, err=True))
+    progress = (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() and not as_json else None
     results = checks.run_verify(report, Path(report.target), runtime=runtime, compile_=compile_, build=build,
                                 progress=progress)
     emit(json.dumps(render.verify_json(report, results), indent=2) if as_json else render.render_verify(report, results))

@@ -96,6 +96,21 @@ class BuildResult:
     seconds: float
     proof: str  # how the entry was shown to be the one FlashInfer loads at start
     compiled: bool = True  # False: the entry was up to date, ninja had nothing to do (nothing changed)
+    note: str | None = None  # when the server, left to itself, would look for another entry
+
+
+def arch_note(arch: str | None) -> str | None:
+    """FlashInfer names the entry after its arch list; detecting a GPU of SM90 or later it adds
+    the ``a`` suffix (12.0 -> 12.0a, directory 120a). ``--arch 12.0`` therefore builds an entry
+    that a server without FLASHINFER_CUDA_ARCH_LIST=12.0 in its environment never looks up."""
+    if not arch:
+        return None
+    plain = [a for a in arch.split() if a[-1].isdigit() and int(a.split(".")[0]) >= 9]
+    if not plain:
+        return None
+    suffixed = " ".join(a + "a" if a in plain else a for a in arch.split())
+    return (f"a server that detects its GPUs builds for {suffixed!r} (FlashInfer adds the 'a' from SM90 on) and finds "
+            f"this entry only with FLASHINFER_CUDA_ARCH_LIST={arch!r} in its environment; else use --arch '{suffixed}'")
 
 
 def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None, owner: Owner | None,
@@ -150,7 +165,8 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     else:
         how = ("a fresh process regenerated the same build.ninja and ninja had no work to do; the library did not "
                f"load here ({proof.get('load_error')}): a machine without a CUDA driver cannot load it")
-    return BuildResult(module, entry, entry.parent.parent.name, elapsed, how, bool(events.get("compiled", True)))
+    return BuildResult(module, entry, entry.parent.parent.name, elapsed, how, bool(events.get("compiled", True)),
+                       arch_note(arch))
 
 
 def _run_as(owner: Owner | None) -> dict:

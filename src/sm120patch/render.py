@@ -215,6 +215,8 @@ def render_change(report: ChangeReport) -> str:
         lines.append(f"built {built.module} for {built.archs} in {built.seconds:.0f} s: {built.entry}" if built.compiled
                      else f"{built.module} for {built.archs} was up to date (nothing compiled): {built.entry}")
         lines.append(f"  {built.proof}")
+        if built.note:
+            lines.append(f"  note: {built.note}")
     return "\n".join(lines)
 
 
@@ -294,7 +296,7 @@ def change_json(report: ChangeReport) -> dict:
         "build_error": report.build_error.message if report.build_error else None,
         "builds": [{"module": b.module, "entry": str(b.entry), "archs": b.archs, "seconds": round(b.seconds, 1),
                     "compiled": b.compiled,
-                    "proof": b.proof} for b in report.builds],
+                    "proof": b.proof, "note": b.note} for b in report.builds],
     }
 
 
