@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_session.sh restart   # the JIT restart-cost benchmark
 #   bash benchmarks/h200_session.sh warm      # apply --build: its time, and the first use after it
 #   bash benchmarks/h200_session.sh owner     # root runs apply --build for nobody's cache base, on a tty
+#   bash benchmarks/h200_session.sh gpu-test  # the test suite's GPU test (pytest -m gpu), with this venv
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -59,6 +60,13 @@ owner)
     step setpriv --reuid nobody --regid nogroup --clear-groups env HOME=/tmp/ws2 FLASHINFER_WORKSPACE_BASE=/tmp/ws2 \
         /tmp/env/bin/python benchmarks/first_use.py --label "first use as nobody after root's apply --build"
     step sm120patch revert "${Q[@]}"
+    ;;
+gpu-test)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps --upgrade .whl/pytest-*.whl \
+        .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/click-*.whl .whl/packaging-*.whl .whl/gitpython-*.whl \
+        .whl/gitdb-*.whl .whl/smmap-*.whl .whl/libcst-*.whl
+    step env SM120PATCH_GPU_PYTHON=/tmp/env/bin/python SM120PATCH_WHEEL_CACHE=$PWD/.whl \
+        python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_build.py
     ;;
 restart)
     step sm120patch apply "${P[@]}"

@@ -4,10 +4,12 @@ the build itself, and the first use after it, are measured on the H200 (docs/h20
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
 import pytest
 
-from helpers import Session, changed, one_clear_error, snapshot
+from helpers import ROOT, ServingEnv, Session, changed, one_clear_error, snapshot, tree_snapshot
 from sm120patch.errors import ExitCode
 from sm120patch.jitbuild import arch_note, parse_arch
 from sm120patch.errors import UsageError
@@ -196,3 +198,36 @@ def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, dr
     shown = "".join(terminal.text)
     assert ("building trtllm_comm" in shown and "4/4" in shown) == drawn
     assert drawn or shown == ""
+
+
+# The one test that needs a CUDA GPU: CI has none and skips it, saying why. On the H200:
+# `bash benchmarks/h200_session.sh gpu-test` (docs/h200.md).
+GPU_PYTHON = os.environ.get("SM120PATCH_GPU_PYTHON")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_PYTHON, reason="needs a CUDA GPU and a serving interpreter with CUDA torch and the real "
+                    "flashinfer-python 0.6.4 / sglang 0.5.9 wheels: set SM120PATCH_GPU_PYTHON "
+                    "(benchmarks/h200_session.sh gpu-test makes one on the lent H200)")
+def test_on_a_gpu_the_first_use_after_apply_build_compiles_nothing(tmp_path):
+    import json
+    import subprocess
+
+    env = ServingEnv(Path(GPU_PYTHON).parent.parent, tmp_path / "home")
+    env.home.mkdir()
+    session = Session(env)
+    before = tree_snapshot(env.root)  # the cache base keeps what FlashInfer itself writes there (locks, logs)
+    result = session("apply", "--build")
+    try:
+        assert result.exit_code == 0, result.output
+        assert "built trtllm_comm for " in result.output and "the library loaded" in result.output
+        first = subprocess.run([str(env.python), str(ROOT / "benchmarks" / "first_use.py")], capture_output=True,
+                               text=True, check=True, env=dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(env.home)))
+        used = json.loads(first.stdout.splitlines()[-1])
+        assert used["compiled"] is False, used
+        library = Path(used["library"])
+        assert library.is_relative_to(env.home / ".cache" / "flashinfer")
+    finally:
+        assert session("revert").exit_code == 0
+    assert changed(before, tree_snapshot(env.root)) == []
+    assert not library.parent.exists()  # revert removed the entry built from the patched sources
