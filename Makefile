@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test check manifests check-manifests bench clean
+.PHONY: install demo test check matrix manifests check-manifests bench clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ test: install
 # distribution, the CLI, parsers, rewriters (seconds).
 check: install
 	$(BIN)/python -m pytest -m "not wheels"
+
+# Every pinned release of every distribution, from its real wheel (CI's `make test` takes one vLLM
+# release per file layout: their wheels are ~400 MB each; this downloads all 34, ~13 GB).
+matrix: install
+	SM120PATCH_FULL_MATRIX=1 $(BIN)/python -m pytest tests/test_matrix.py
 
 # Rebuild vendor-manifests/ from the real wheels (downloaded into ~/.cache/sm120patch/wheels).
 manifests: install

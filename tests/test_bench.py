@@ -29,7 +29,9 @@ def target(devices=(H200, H200), **overrides) -> bench.TargetInfo:
 
 
 def request(**overrides) -> bench.BenchRequest:
-    return bench.BenchRequest(python=Path("/srv/env/bin/python"), **overrides)
+    fields = dict(python=Path("/srv/env/bin/python"), tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                  hidden=(4096, 7168))
+    return bench.BenchRequest(**dict(fields, **overrides))
 
 
 def one_line(result, text: str) -> None:

@@ -75,7 +75,7 @@ def test_an_environment_without_our_packages(tmp_path):
     assert json.loads(status.output)["distributions"] == []
     apply = run_cli("apply", "--python", python)
     assert apply.exit_code == ExitCode.USAGE
-    one_clear_error(apply.output, "neither flashinfer-python nor sglang is installed")
+    one_clear_error(apply.output, "none of flashinfer-python, sglang, vllm is installed")
 
 
 def test_usage_errors_are_one_line_with_a_hint_and_keep_did_you_mean():

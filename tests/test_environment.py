@@ -10,7 +10,7 @@ import pytest
 
 from helpers import COMM
 from sm120patch.distributions import load_registry
-from sm120patch.environment import parse_record_hash, resolve_python, start_probe
+from sm120patch.environment import InstalledDistribution, parse_record_hash, resolve_python, start_probe
 from sm120patch.errors import TargetError
 from sm120patch.patchsets import normalize_relpath
 from sm120patch.trees import InstalledTree
@@ -123,3 +123,16 @@ def test_a_symlinked_parent_directory_is_refused(serving_env, tmp_path):
     jit.symlink_to(moved)
     read = tree_of(serving_env).read(COMM)
     assert "leads outside" in read.problem
+
+
+@pytest.mark.parametrize("line, pin", [
+    ("flashinfer_python==0.6.3", "0.6.3"), ("flashinfer-python == 0.6.3", "0.6.3"),
+    ("Flashinfer.Python[extra]===0.6.3", "0.6.3"), ("flashinfer-python (==0.6.3)", "0.6.3"),
+    ('flashinfer_python==0.2.11.post3; extra == "srt"', None),  # only under a marker: not unconditional
+    ("flashinfer_python>=0.6,==0.6.3", None), ("flashinfer_python>=0.6", None),
+    ("flashinfer-python-cubin==0.6.3", None), ("flashinfer_python @ https://example.invalid/f.whl", None),
+])
+def test_only_an_unconditional_exact_pin_is_a_pin(line, pin):
+    dist = InstalledDistribution(name="sglang", raw_version="0.5.9", site_dir=Path("/x"), dist_info=Path("/x/d"),
+                                 record={}, requires=(line,))
+    assert dist.pinned_version_of("flashinfer-python") == pin

@@ -135,11 +135,14 @@ def test_malformed_distribution_data_is_a_clear_error(tmp_path, text, message):
 
 def test_the_registry_knows_each_shipped_distribution_from_data():
     registry = load_registry()
-    assert registry.names == ("flashinfer-python", "sglang")
-    flashinfer, sglang = registry
+    assert registry.names == ("flashinfer-python", "sglang", "vllm")
+    flashinfer, sglang, vllm = registry
     assert (flashinfer.option, flashinfer.jit_module, str(flashinfer.fixed_in)) == ("flashinfer", "trtllm_comm", "0.6.17")
     assert sglang.pins == "flashinfer-python" and sglang.jit_module is None
     assert flashinfer.checkout.repo_path("flashinfer/data/include/x.cuh") == "include/x.cuh"
     assert sglang.checkout.repo_path("sglang/srt/layers/communicator.py") == "python/sglang/srt/layers/communicator.py"
+    assert vllm.pins == "flashinfer-python" and vllm.jit_module is None and vllm.fixed_in is None
+    assert vllm.checkout.repo_path("vllm/config/vllm.py") == "vllm/config/vllm.py"
+    assert vllm.needs_nothing(Version("0.11.0")) and not vllm.needs_nothing(Version("0.11.1"))
     # Every patch names a semantic check that exists (parse refuses the others).
     assert all(p.check for ps in registry.patch_sets for p in ps.patches)

@@ -166,6 +166,34 @@ def test_copy_dict_entry_keeps_the_layout():
     )
 
 
+def test_copy_dict_entry_in_an_annotated_table():
+    assert_rewrites(
+        "python.copy-dict-entry",
+        """\
+        MAX_MB: dict[int, dict[int, float]] = {
+            90: {
+                2: 64,  # 64MB
+            },
+            100: {2: 32},
+        }
+        OTHER: dict[int, int] = {90: 1}
+        """,
+        """\
+        MAX_MB: dict[int, dict[int, float]] = {
+            90: {
+                2: 64,  # 64MB
+            },
+            120: {
+                2: 64,  # 64MB
+            },
+            100: {2: 32},
+        }
+        OTHER: dict[int, int] = {90: 1}
+        """,
+        variable="MAX_MB", source_key="90", new_key="120",
+    )
+
+
 def test_source_that_does_not_parse_is_no_match():
     result = rewrite("python.extend-list-argument", "def gen(:\n", **EXTEND)
     assert isinstance(result, NoMatch) and "does not parse" in result.reason

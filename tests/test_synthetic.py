@@ -132,7 +132,7 @@ class Toy:
 
 
 def test_a_third_distribution_is_data_alone(toy):
-    assert toy.registry.names == ("flashinfer-python", "sglang", "toyfuse")
+    assert toy.registry.names == ("flashinfer-python", "sglang", "toyfuse", "vllm")
     report = pipeline.status(toy.request(), toy.registry)
     (item,) = report.trees
     assert item.assessment.verdict is Verdict.NOT_PATCHED and report.exit_code == ExitCode.NOT_OK

@@ -44,10 +44,14 @@ class Verdict(enum.Enum):
     DRIFTED = "DRIFTED"
     FIXED_UPSTREAM = "fixed upstream"
     NO_PATCH_SET = "no patch set"
+    # Every patch of the release's set is opt-in and none is applied: nothing is required, and
+    # saying "patched" would claim an edit that was never made (vLLM 0.29+).
+    OPT_IN_ONLY = "nothing required (opt-in patches only)"
+    NOTHING_TO_PATCH = "nothing to patch"
 
     @property
     def done(self) -> bool:
-        return self in (Verdict.PATCHED, Verdict.FIXED_UPSTREAM)
+        return self in (Verdict.PATCHED, Verdict.FIXED_UPSTREAM, Verdict.OPT_IN_ONLY, Verdict.NOTHING_TO_PATCH)
 
 
 class Origin(enum.Enum):
@@ -89,12 +93,17 @@ class Assessment:
     files: dict[str, FileAssessment] = field(default_factory=dict)
     ledger: Ledger | None = None
     fixed_upstream: bool = False
+    not_needed: bool = False  # a release the distribution's data says needs no patch
     reason: str = ""  # why there is nothing to patch
     unpinned: bool = False  # no set pins this release: the closest set, by meaning
 
     @property
     def name(self) -> str:
         return self.distribution.name
+
+    @property
+    def nothing_needed(self) -> bool:
+        return self.fixed_upstream or self.not_needed
 
     @property
     def raw_version(self) -> str:
@@ -109,10 +118,14 @@ class Assessment:
     @property
     def verdict(self) -> Verdict:
         if self.patch_set is None:
-            return Verdict.FIXED_UPSTREAM if self.fixed_upstream else Verdict.NO_PATCH_SET
+            if self.fixed_upstream:
+                return Verdict.FIXED_UPSTREAM
+            return Verdict.NOTHING_TO_PATCH if self.not_needed else Verdict.NO_PATCH_SET
         states = {p.id: self.patch_state(p) for p in self.patch_set.patches}
         if any(s in (PatchState.DRIFTED, PatchState.MISSING) for s in states.values()):
             return Verdict.DRIFTED
+        if not any(p.required for p in self.patch_set.patches) and PatchState.APPLIED not in states.values():
+            return Verdict.OPT_IN_ONLY
         if all(states[p.id] is PatchState.APPLIED for p in self.patch_set.patches if p.required):
             return Verdict.PATCHED
         if any(s is PatchState.APPLIED for s in states.values()):
@@ -140,6 +153,10 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
     patch_set = distribution.find(version)
     result = Assessment(tree=tree, distribution=distribution, patch_set=patch_set, manifest=None, ledger=ledger)
     if patch_set is None:
+        exempt = distribution.needs_nothing(version)
+        if exempt is not None:
+            result.not_needed, result.reason = True, exempt.reason.replace("{version}", tree.raw_version)
+            return result
         if distribution.fixed_upstream(version):
             result.fixed_upstream = True
             result.reason = (f"{distribution.name} {tree.raw_version} supports SM120 here natively "

@@ -26,8 +26,6 @@ from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, T
 
 # trtllm_allreduce_fusion refuses any other world size ("Supported ranks: 2, 4, 8, 16").
 SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
-DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-DEFAULT_HIDDEN = (4096, 7168)
 # SGLang uses the fused path for batches of up to this many tokens (FUSE_ALLREDUCE_MAX_BATCH_SIZE).
 SGLANG_MAX_FUSED_TOKENS = 2048
 STRATEGIES = ("auto", "oneshot", "twoshot", "both")
@@ -74,9 +72,9 @@ print(json.dumps(out))
 @dataclass(frozen=True)
 class BenchRequest:
     python: Path | None  # None: the interpreter running sm120patch
+    tokens: tuple[int, ...]  # the defaults are the CLI's (`sm120patch bench --help`)
+    hidden: tuple[int, ...]
     tp: int | None = None  # None: every visible GPU
-    tokens: tuple[int, ...] = DEFAULT_TOKENS
-    hidden: tuple[int, ...] = DEFAULT_HIDDEN
     dtype: str = "bf16"
     strategy: str = "auto"
     check_only: bool = False

@@ -12,7 +12,6 @@ from pathlib import Path
 import click
 
 from sm120patch import __version__
-from sm120patch.bench import DEFAULT_HIDDEN, DEFAULT_TOKENS
 from sm120patch.errors import ExitCode, Sm120PatchError
 
 
@@ -94,7 +93,7 @@ def python_option(function):
 
 def source_option(function):
     return click.option("--source", metavar="DIR", default=None,
-                        help="A git checkout of FlashInfer or SGLang to act on instead of an installed environment.")(function)
+                        help="A git checkout of FlashInfer, SGLang or vLLM to act on instead of an installed environment.")(function)
 
 
 def jit_option(function):
@@ -128,7 +127,7 @@ def wheel_dir_option(function):
 
 
 def selector_options(function):
-    """--flashinfer [VER] and --sglang [VER]: the same grammar on every command. Alone, the
+    """--flashinfer [VER], --sglang [VER], --vllm [VER] (one per distribution, from the data): the same grammar on every command. Alone, the
     option selects that distribution; with a version, it also asserts the installed one."""
     from sm120patch.distributions import ANY
 
@@ -402,9 +401,9 @@ def doctor(python, jit_cache_base, as_json):
                             INTERRUPTED]))
 @python_option
 @click.option("--tp", type=int, default=None, metavar="N", help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
-@click.option("--tokens", metavar="LIST", default=",".join(map(str, DEFAULT_TOKENS)), show_default=True,
+@click.option("--tokens", metavar="LIST", default="1,2,4,8,16,32,64,128,256,512,1024,2048", show_default=True,
               help="Token counts (batch sizes) to check and time.")
-@click.option("--hidden", metavar="LIST", default=",".join(map(str, DEFAULT_HIDDEN)), show_default=True,
+@click.option("--hidden", metavar="LIST", default="4096,7168", show_default=True,
               help="Hidden sizes: your model's (e.g. 4096 for Llama-3-8B, 7168 for DeepSeek-V3).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--strategy", type=click.Choice(["auto", "oneshot", "twoshot", "both"]), default="auto", show_default=True,
@@ -494,19 +493,22 @@ def manifest() -> None:
     """Build the vendor manifests from the real upstream wheels (maintainers)."""
 
 
-@manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check"],
+@manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check",
+                                          "sm120patch manifest build --check --distribution vllm"],
                                          [(0, "written, or (--check) identical"), (1, "--check: a manifest differs"),
                                           USAGE, (4, "a download failed")]))
 @click.option("--wheel-cache", metavar="DIR", default=None, help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
 @click.option("--out", metavar="DIR", default=None, help="Write here instead of vendor-manifests/.")
 @click.option("--check", is_flag=True, help="Rebuild and compare with the committed manifests; write nothing.")
-def manifest_build(wheel_cache, out, check):
+@click.option("--distribution", "names", metavar="NAME", multiple=True,
+              help="Only this distribution's releases (repeatable; default: every one). vLLM's wheels are ~400 MB each.")
+def manifest_build(wheel_cache, out, check, names):
     """Download every pinned release's wheel and write (or compare) its manifest."""
     from sm120patch import manifests
 
     progress = (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() else None
     result = manifests.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
-                                 check=check, progress=progress)
+                                 check=check, progress=progress, names=names)
     for path, same in result:
         click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
     if check and not all(same for _, same in result):

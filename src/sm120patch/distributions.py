@@ -30,12 +30,31 @@ class Advice:
     versions: SpecifierSet
     level: str  # info / warn
     text: str  # may name {version}
+    # What the installed files say: shown only while these patches are applied / not applied
+    # (vLLM's pass stays off on SM120 until fusion-table gives it a row).
+    when_applied: tuple[str, ...] = ()
+    unless_applied: tuple[str, ...] = ()
 
-    def applies(self, version: Version | None) -> bool:
-        return version is not None and self.versions.contains(version, prereleases=True)
+    def applies(self, version: Version | None, applied: frozenset[str] | None = None) -> bool:
+        if version is None or not self.versions.contains(version, prereleases=True):
+            return False
+        if self.when_applied or self.unless_applied:
+            if applied is None:  # no pinned set: what is applied is not known
+                return False
+            return set(self.when_applied) <= applied and not set(self.unless_applied) & applied
+        return True
 
     def render(self, raw_version: str) -> str:
         return self.text.replace("{version}", raw_version)
+
+
+@dataclass(frozen=True)
+class NothingToPatch:
+    """Releases that need no patch of this distribution, and why (vLLM before its capability
+    gate: fusion needs only FlashInfer's patch and the flag)."""
+
+    versions: SpecifierSet
+    reason: str  # may name {version}
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ class Distribution:
     still_gated: str | None = None
     pins: str | None = None  # a distribution whose exact pin status compares with what is installed
     advice: tuple[Advice, ...] = ()
+    nothing_to_patch: tuple[NothingToPatch, ...] = ()
     checkout: CheckoutLayout | None = None
     verify: VerifySpec = VerifySpec()
     directory: Path = field(default=Path("."), compare=False)
@@ -120,11 +140,18 @@ class Distribution:
         parts = ([f"nearest known below: {below[-1]}"] if below else []) + ([f"above: {above[0]}"] if above else [])
         return ", ".join(parts) + f"; sm120patch knows {known[0]} to {known[-1]}"
 
+    def needs_nothing(self, version: Version | None) -> NothingToPatch | None:
+        if version is None:
+            return None
+        return next((n for n in self.nothing_to_patch if n.versions.contains(version, prereleases=True)), None)
+
     def fixed_upstream(self, version: Version | None) -> bool:
         return version is not None and self.fixed_in is not None and version >= self.fixed_in
 
-    def advice_for(self, version: Version | None) -> list[Advice]:
-        return [a for a in self.advice if a.applies(version)]
+    def advice_for(self, version: Version | None, applied: frozenset[str] | None = None) -> list[Advice]:
+        """The advice for ``version``; ``applied``: the ids of the patches applied there (None:
+        unknown, and advice that depends on them is left out)."""
+        return [a for a in self.advice if a.applies(version, applied)]
 
     def patch_set_named(self, name: str) -> PatchSet | None:
         return next((ps for ps in self.patch_sets if ps.name == name or ps.path.name == name), None)
@@ -199,7 +226,17 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
             versions = SpecifierSet(raw.get("versions", ""))
         except InvalidSpecifier:
             raise PatchDataError(f"{awhere}: {raw.get('versions')!r} is not a version specifier") from None
-        advice.append(Advice(versions, raw["level"], raw["text"]))
+        conditions = {key: _str_list(raw, key, awhere) for key in ("when_applied", "unless_applied")}
+        advice.append(Advice(versions, raw["level"], raw["text"], **conditions))
+    nothing = []
+    for index, raw in enumerate(doc.get("nothing_to_patch", [])):
+        nwhere = f"{where}: nothing_to_patch #{index + 1}"
+        if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str):
+            raise PatchDataError(f"{nwhere}: needs versions (a version specifier) and reason")
+        try:
+            nothing.append(NothingToPatch(SpecifierSet(raw["versions"]), raw["reason"]))
+        except InvalidSpecifier:
+            raise PatchDataError(f"{nwhere}: {raw['versions']!r} is not a version specifier") from None
     checkout = None
     if "checkout" in doc:
         raw = doc["checkout"]
@@ -217,6 +254,11 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
     fixed_in = _optional_str(doc, "fixed_in", where)
     patch_sets = tuple(parse_patch_set(path, name, check_rewriters=check_rewriters)
                        for path in sorted(directory.glob("*.toml")) if path.name != "distribution.toml")
+    ids = {p.id for patch_set in patch_sets for p in patch_set.patches}
+    for index, item in enumerate(advice):
+        unknown_ids = sorted(set(item.when_applied + item.unless_applied) - ids)
+        if unknown_ids:
+            raise PatchDataError(f"{where}: advice #{index + 1} names no patch of {name}: {', '.join(unknown_ids)}")
     seen: dict[str, PatchSet] = {}
     for patch_set in patch_sets:
         for version in patch_set.versions:
@@ -228,7 +270,8 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
         fixed_in=parse_version(fixed_in, where) if fixed_in else None,
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
-        pins=_optional_str(doc, "pins", where), advice=tuple(advice), checkout=checkout, verify=verify,
+        pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
+        checkout=checkout, verify=verify,
         directory=directory,
     )
 

@@ -167,7 +167,7 @@ def write_manifest(document: dict, root: Path | None = None) -> Path:
 
 
 def build_all(wheel_cache: Path | None, out: Path | None, *, check: bool,
-              progress=None) -> list[tuple[Path, bool]]:
+              progress=None, names: Sequence[str] = ()) -> list[tuple[Path, bool]]:
     """Every pinned release's manifest from its real wheel (downloaded once into the cache):
     written (or, ``check``, compared with the committed one). Returns (path, identical)."""
     from sm120patch import wheels
@@ -175,7 +175,15 @@ def build_all(wheel_cache: Path | None, out: Path | None, *, check: bool,
 
     cache = wheel_cache or wheels.default_cache()
     results = []
-    releases = [(ps, v) for ps in load_registry().patch_sets for v in ps.versions]
+    registry = load_registry()
+    try:
+        chosen = [registry.get(name) for name in names] if names else list(registry.distributions)
+    except KeyError as exc:
+        from sm120patch.errors import UsageError
+
+        known = ", ".join(d.name for d in registry.distributions)
+        raise UsageError(f"--distribution {exc.args[0]}: not a distribution sm120patch knows ({known})") from None
+    releases = [(ps, v) for d in chosen for ps in d.patch_sets for v in ps.versions]
     for index, (patch_set, version) in enumerate(releases, 1):
         if progress:
             progress(f"[{index}/{len(releases)}] {patch_set.distribution} {version}")

@@ -13,23 +13,25 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from packaging.version import InvalidVersion, Version
 
 from sm120patch import jitcache
-from sm120patch.assess import Assessment, assess, present_by_meaning, status_exit_code
-from sm120patch.checkout import Commit, Undo, commit_plan, refuse_dirty, revert_checkout
+from sm120patch.assess import Assessment, PatchState, assess, present_by_meaning, status_exit_code
 from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
 from sm120patch.hashing import sha256
-from sm120patch.plan import Plan, ReleaseBytes, plan_apply, plan_revert
 from sm120patch.state import Owner, state_root
 from sm120patch.transaction import (
     Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover, someone_holds,
 )
 from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
+
+if TYPE_CHECKING:  # planning and git commits are imported by the commands that change things, not by status
+    from sm120patch.checkout import Commit, Undo
+    from sm120patch.plan import Plan, ReleaseBytes
 
 
 
@@ -136,8 +138,7 @@ def _check_version(tree, wanted: str, request: Request, *, python: str | None = 
 
 
 def _nothing_installed(located: Located, registry: Registry) -> UsageError:
-    names = " nor ".join(registry.names) if len(registry.names) == 2 else ", ".join(registry.names[:-1]) + f" nor {registry.names[-1]}"
-    return UsageError(f"neither {names} is installed in {located.env.executable}",
+    return UsageError(f"none of {', '.join(registry.names)} is installed in {located.env.executable}",
                       hint="pass --python with the interpreter your server runs")
 
 
@@ -242,10 +243,12 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
                 pending, blocks = f"unreadable ledger ({exc.message})", True
             pending, blocks = _pending(tree, pending, blocks, located.command("revert --force"))
         a = assess(tree, tree.distribution, ledger=ledger)
-        item = TreeStatus(a, pending, blocks, advice=tree.distribution.advice_for(tree.version),
+        applied = (frozenset(p.id for p in a.patch_set.patches if a.patch_state(p) is PatchState.APPLIED)
+                   if a.patch_set is not None else None)
+        item = TreeStatus(a, pending, blocks, advice=tree.distribution.advice_for(tree.version, applied),
                           routed_from=routed.get(tree.distribution.name))
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
-        if shown is not None and (not installed or a.patch_set is None):
+        if shown is not None and (not installed or a.patch_set is None) and not a.not_needed:
             item.by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
         if installed:
             item.pin = _pin_mismatch(located.env, tree)
@@ -371,6 +374,9 @@ def _no_set(a: Assessment) -> RefusedError:
 
 
 def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
+    from sm120patch.checkout import refuse_dirty
+    from sm120patch.plan import plan_apply
+
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees:
@@ -388,7 +394,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         for tree in located.trees:
             a = _assess(tree, force_unknown=request.force)
             if a.patch_set is None:
-                if a.fixed_upstream:
+                if a.nothing_needed:
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
                 raise _no_set(a)
@@ -446,6 +452,9 @@ def _build(located: Located, request: Request) -> list:
 
 
 def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
+    from sm120patch.checkout import revert_checkout
+    from sm120patch.plan import plan_revert
+
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees:
@@ -530,6 +539,8 @@ def _write(report: ChangeReport, located: Located, plans: list[Plan], request: R
     """Checkouts: one commit each (a commit rolls itself back on failure). Installs: one
     transaction over every distribution, with FlashInfer's stale JIT entries moved aside under
     FlashInfer's own lock. When the transaction fails after a commit, the commit is undone."""
+    from sm120patch.checkout import commit_plan, revert_checkout
+
     commits = []
     for plan in plans:
         tree = plan.assessment.tree

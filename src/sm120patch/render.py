@@ -3,7 +3,7 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 
 from __future__ import annotations
 
-from sm120patch.assess import FileState, Origin, PatchState
+from sm120patch.assess import FileState, Origin, PatchState, Verdict
 from sm120patch.pipeline import ChangeReport, Result, StatusReport, TreeStatus, diff_label
 from sm120patch.trees import CheckoutTree
 
@@ -227,6 +227,9 @@ def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
     if result.plan is None:
         return [f"{head}: nothing to do: {result.message}"]
     plan = result.plan
+    if not plan.files and not plan.adopted and plan.assessment.verdict is Verdict.OPT_IN_ONLY:
+        opt_in = ", ".join(plan.assessment.patch_set.opt_in)
+        return [f"{head}: nothing to change: every patch for this release is opt-in ({opt_in}; add --with)"]
     if report.dry_run:
         if not plan.files:
             return [f"{head}: already {verb}, nothing would change"]
@@ -310,6 +313,13 @@ def _ranges(versions) -> str:
     return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
 
 
+def _spec_words(versions) -> str:
+    """'>=0.10.0,<0.11.1' -> 'from 0.10.0, before 0.11.1' (the list's column)."""
+    words = {">=": "from", ">": "after", "<": "before", "<=": "up to", "==": ""}
+    parts = sorted(versions, key=lambda s: s.operator not in (">=", ">"))
+    return ", ".join(f"{words.get(s.operator, s.operator)} {s.version}".strip() for s in parts)
+
+
 def render_list(registry) -> str:
     """The support matrix: release ranges -> patch ids (required / opt-in) -> upstream fix."""
     lines = []
@@ -325,6 +335,8 @@ def render_list(registry) -> str:
             lines.append(f"  {_ranges(versions):<28} {len(versions):>2} release(s)  {required:<36} opt-in: {optional}")
         for version in distribution.sdist_only:
             lines.append(f"  {version:<28}  sdist only: not supported (no RECORD to check against)")
+        for exempt in distribution.nothing_to_patch:
+            lines.append(f"  {_spec_words(exempt.versions):<28}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
         if fixed:
             lines.append(f"  {str(fixed) + ' and later':<28}  native SM120 support: nothing to patch")
     return "\n".join(lines)
@@ -336,6 +348,7 @@ def list_json(registry) -> dict:
             "selector": d.selector,
             "fixed_in": str(d.fixed_in) if d.fixed_in else None,
             "sdist_only": list(d.sdist_only),
+            "nothing_to_patch": [{"versions": str(n.versions), "reason": n.reason} for n in d.nothing_to_patch],
             "releases": {
                 str(v): {
                     "patch_set": ps.name,

@@ -107,6 +107,39 @@ def symm_mem(text: str) -> tuple[bool, str]:
     return False, "no SYMM_MEM_ALL_REDUCE_MAX_SIZES dict"
 
 
+def _module_dict_keys(tree: ast.Module, name: str) -> list | None:
+    """The literal keys of a module-level dict ``name = {...}`` (annotated or not), or None."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and isinstance(node.value, ast.Dict):
+            return [ast.literal_eval(k) for k in node.value.keys if k is not None]
+    return None
+
+
+VLLM_FUSION_TABLES = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB")
+
+
+@check("fusion-table")
+def fusion_table(text: str) -> tuple[bool, str]:
+    """vLLM's pass reads both tables by compute capability (``to_int()``: 120 for SM120); with no
+    120 row it logs 'not supported for world size' and stays off."""
+    tree = ast.parse(text)
+    keys = {name: _module_dict_keys(tree, name) for name in VLLM_FUSION_TABLES}
+    missing = [name for name, found in keys.items() if found is None]
+    if missing:
+        return False, f"no {' or '.join(missing)} table"
+    return all(120 in found for found in keys.values()), "; ".join(f"{n} keys: {k}" for n, k in keys.items())
+
+
+@check("vllm-auto-enable")
+def vllm_auto_enable(text: str) -> tuple[bool, str]:
+    for function in _functions(ast.parse(text), "enable_allreduce_rms_fusion"):
+        for operands in _or_operands(function):
+            if any("capability(90)" in op for op in operands):
+                return any("(120)" in op for op in operands), f"auto-enable condition: {' or '.join(operands)}"
+    return False, "no SM90 condition in enable_allreduce_rms_fusion"
+
+
 # Names that sglang patches put into code; each must be bound where it is used.
 INTRODUCED_NAMES = ("is_sm120_supported", "_is_sm120_supported", "torch", "is_cuda", "_is_cuda", "get_platform")
 

@@ -166,8 +166,8 @@ def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
         manifest = load_manifest(distribution.name, version)
         pristine = {rel: hashes.pristine for rel, hashes in manifest.files.items()} if manifest else {}
         return CheckoutTree(root, distribution, version, repo, pristine)
-    names = " nor ".join(d.name for d in registry if d.checkout)
-    raise TargetError(f"--source {path}: a git checkout, but of neither {names}")
+    names = ", ".join(d.name for d in registry if d.checkout)
+    raise TargetError(f"--source {path}: a git checkout, but of none of {names}")
 
 
 def _describe(repo) -> str | None:

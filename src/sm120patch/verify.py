@@ -49,7 +49,7 @@ def verify_exit_code(results) -> ExitCode:
 def static_checks(item: TreeStatus) -> list[CheckResult]:
     a = item.assessment
     if a.patch_set is None:
-        return [CheckResult("static", a.name, True if a.fixed_upstream else False, a.reason)]
+        return [CheckResult("static", a.name, a.nothing_needed, a.reason)]
     results = []
     for patch in a.patch_set.patches:
         state = a.patch_state(patch)

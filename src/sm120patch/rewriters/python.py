@@ -307,22 +307,28 @@ class CopyDictEntry(LibcstRewriter):
 
         class Transformer(_SiteTransformer):
             def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
-                targets = [t.target for t in updated_node.targets]
+                return self._copy_in(updated_node, [t.target for t in updated_node.targets])
+
+            # vLLM annotates its tables: `FI_ALLREDUCE_FUSION_MAX_SIZE_MB: dict[int, dict[int, float]] = {...}`
+            def leave_AnnAssign(self, original_node: cst.AnnAssign, updated_node: cst.AnnAssign) -> cst.AnnAssign:
+                return self._copy_in(updated_node, [updated_node.target])
+
+            def _copy_in(self, node, targets):
                 if not any(isinstance(t, cst.Name) and t.value == variable for t in targets):
-                    return updated_node
-                if not isinstance(updated_node.value, cst.Dict):
-                    return updated_node
-                elements = list(updated_node.value.elements)
+                    return node
+                if not isinstance(node.value, cst.Dict):
+                    return node
+                elements = list(node.value.elements)
                 keys = [_code(e.key) if isinstance(e, cst.DictElement) else None for e in elements]
                 if new_key_code in keys:
                     self.applied += 1
-                    return updated_node
+                    return node
                 if source_key not in keys:
-                    return updated_node
+                    return node
                 self.found += 1
                 index = keys.index(source_key)
                 elements = _insert_after(elements, index, elements[index].with_changes(key=new_key))
-                return updated_node.with_changes(value=updated_node.value.with_changes(elements=elements))
+                return node.with_changes(value=node.value.with_changes(elements=elements))
 
         return Transformer()
 

@@ -34,6 +34,9 @@ options:
   sglang:
     description: Assert that this sglang version is installed, and act on sglang (C(any) for whatever release is installed).
     type: str
+  vllm:
+    description: Assert that this vllm version is installed, and act on vllm (C(any) for whatever release is installed).
+    type: str
   with:
     description: Opt-in patch ids to apply as well (see C(sm120patch list)).
     type: list
@@ -84,7 +87,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 def selectors(params):
     args = []
-    for option in ("flashinfer", "sglang"):
+    for option in ("flashinfer", "sglang", "vllm"):
         value = params.get(option)
         if value is None:
             continue
@@ -127,6 +130,7 @@ def main():
             "python": dict(type="path", required=True),
             "flashinfer": dict(type="str"),
             "sglang": dict(type="str"),
+            "vllm": dict(type="str"),
             "with": dict(type="list", elements="str", default=[]),
             "jit_cache_base": dict(type="path"),
             "force": dict(type="bool", default=False),
