@@ -289,7 +289,8 @@ class BenchReport:
             reach = ("the largest size measured; fused may win beyond it" if all(s.first_loss is None for s in series)
                      else "where fused stops winning")
             vllm = (mb, f"-cc.pass_config.fuse_allreduce_rms=true -cc.pass_config.fi_allreduce_fusion_max_size_mb={mb:g}"
-                        f" ({_tokens(smallest.tokens)} at hidden {smallest.hidden}: {reach})")
+                        f" ({_tokens(smallest.tokens)} at hidden {smallest.hidden}: {reach}; vLLM 0.12+; "
+                        f"before: -O.pass_config.enable_fi_allreduce_fusion=true -O.pass_config.fi_allreduce_fusion_max_size_mb={mb:g})")
         return Recommendation(sglang[0], sglang[1], vllm[0], vllm[1])
 
 
