@@ -167,13 +167,14 @@ def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(runtime_env,
 
 
 class _Terminal:
-    """stderr as a terminal (CliRunner's is not one), collecting what is drawn."""
+    """stderr that is (or is not) a terminal (CliRunner's is not one), collecting what is drawn."""
 
-    def __init__(self):
+    def __init__(self, tty: bool):
+        self.tty = tty
         self.text = []
 
     def isatty(self):
-        return True
+        return self.tty
 
     def write(self, text):
         self.text.append(text)
@@ -188,13 +189,11 @@ def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, dr
 
     from sm120patch.cli import BuildProgress
 
-    terminal = _Terminal()
-    terminal.isatty = lambda: tty
+    terminal = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", terminal)
-    progress = BuildProgress(quiet=quiet)
-    for step in (1, 2, 3, 4):
-        progress(f"[{step}/4] nvcc ...", step, 4)
-    progress.close()
+    with BuildProgress(quiet=quiet) as progress:
+        for step in (1, 2, 3, 4):
+            progress(f"[{step}/4] nvcc ...", step, 4)
     shown = "".join(terminal.text)
     assert ("building trtllm_comm" in shown and "4/4" in shown) == drawn
     assert drawn or shown == ""

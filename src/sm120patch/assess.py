@@ -102,6 +102,13 @@ class Assessment:
         return self.distribution.name
 
     @property
+    def applied_ids(self) -> frozenset[str] | None:
+        """The ids of the patches applied here; None without a patch set (not known)."""
+        if self.patch_set is None:
+            return None
+        return frozenset(p.id for p in self.patch_set.patches if self.patch_state(p) is PatchState.APPLIED)
+
+    @property
     def nothing_needed(self) -> bool:
         return self.fixed_upstream or self.not_needed
 
@@ -155,7 +162,7 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
     if patch_set is None:
         exempt = distribution.needs_nothing(version)
         if exempt is not None:
-            result.not_needed, result.reason = True, exempt.reason.replace("{version}", tree.raw_version)
+            result.not_needed, result.reason = True, exempt.render(tree.raw_version)
             return result
         if distribution.fixed_upstream(version):
             result.fixed_upstream = True

@@ -225,13 +225,10 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
     One run is one transaction: everything or nothing. Re-applying changes nothing."""
     from sm120patch import pipeline, render
 
-    progress = BuildProgress(quiet=as_json)
-    try:
+    with BuildProgress(quiet=as_json) as progress:
         report = pipeline.apply(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
                                              wheel_dir=wheel_dir, with_ids=with_ids, force=force, dry_run=dry_run,
                                              build=build_, arch=arch, on_build_step=progress, **selectors))
-    finally:
-        progress.close()
     emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
     if report.build_error is not None:
         raise report.build_error
@@ -255,12 +252,9 @@ def build(python, arch, jit_cache_base, as_json):
     then proves that FlashInfer will load it without compiling."""
     from sm120patch import pipeline, render
 
-    progress = BuildProgress(quiet=as_json)
-    try:
+    with BuildProgress(quiet=as_json) as progress:
         report = pipeline.build(request_from(python=python, jit_cache_base=jit_cache_base, arch=arch,
                                              on_build_step=progress))
-    finally:
-        progress.close()
     emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
 
 
@@ -282,10 +276,18 @@ class BuildProgress:
         self.bar.update(step - self.done)
         self.done = step
 
-    def close(self) -> None:
+    def __enter__(self) -> BuildProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
             self.bar = None
+
+
+def line_progress(*, quiet: bool = False):
+    """Progress lines on stderr, on a terminal only (None: say nothing)."""
+    return (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() and not quiet else None
 
 
 @cli.command(short_help="Restore the release's bytes of every patched file.",
@@ -367,9 +369,8 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
 
     request = request_from(python=python, jit_cache_base=jit_cache_base)
     report = pipeline.status(request)
-    progress = (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() and not as_json else None
     results = checks.run_verify(report, Path(report.target), runtime=runtime, compile_=compile_, build=build,
-                                progress=progress)
+                                progress=line_progress(quiet=as_json))
     emit(json.dumps(render.verify_json(report, results), indent=2) if as_json else render.render_verify(report, results))
     sys.exit(int(checks.verify_exit_code(results)))
 
@@ -506,9 +507,8 @@ def manifest_build(wheel_cache, out, check, names):
     """Download every pinned release's wheel and write (or compare) its manifest."""
     from sm120patch import manifests
 
-    progress = (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() else None
     result = manifests.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
-                                 check=check, progress=progress, names=names)
+                                 check=check, progress=line_progress(), names=names)
     for path, same in result:
         click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
     if check and not all(same for _, same in result):

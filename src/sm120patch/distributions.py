@@ -56,6 +56,9 @@ class NothingToPatch:
     versions: SpecifierSet
     reason: str  # may name {version}
 
+    def render(self, raw_version: str) -> str:
+        return self.reason.replace("{version}", raw_version)
+
 
 @dataclass(frozen=True)
 class CheckoutLayout:
@@ -206,6 +209,13 @@ def _optional_str(doc: dict, key: str, where: str) -> str | None:
     return value
 
 
+def _specifier(value: str, where: str) -> SpecifierSet:
+    try:
+        return SpecifierSet(value)
+    except InvalidSpecifier:
+        raise PatchDataError(f"{where}: {value!r} is not a version specifier") from None
+
+
 def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Distribution:
     where = f"{directory.name}/distribution.toml"
     doc = read_toml(directory / "distribution.toml", where)
@@ -222,10 +232,7 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
         awhere = f"{where}: advice #{index + 1}"
         if raw.get("level") not in LEVELS or not isinstance(raw.get("text"), str):
             raise PatchDataError(f"{awhere}: needs level ({' or '.join(LEVELS)}) and text")
-        try:
-            versions = SpecifierSet(raw.get("versions", ""))
-        except InvalidSpecifier:
-            raise PatchDataError(f"{awhere}: {raw.get('versions')!r} is not a version specifier") from None
+        versions = _specifier(raw.get("versions", ""), awhere)
         conditions = {key: _str_list(raw, key, awhere) for key in ("when_applied", "unless_applied")}
         advice.append(Advice(versions, raw["level"], raw["text"], **conditions))
     nothing = []
@@ -233,10 +240,7 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
         nwhere = f"{where}: nothing_to_patch #{index + 1}"
         if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{nwhere}: needs versions (a version specifier) and reason")
-        try:
-            nothing.append(NothingToPatch(SpecifierSet(raw["versions"]), raw["reason"]))
-        except InvalidSpecifier:
-            raise PatchDataError(f"{nwhere}: {raw['versions']!r} is not a version specifier") from None
+        nothing.append(NothingToPatch(_specifier(raw["versions"], nwhere), raw["reason"]))
     checkout = None
     if "checkout" in doc:
         raw = doc["checkout"]

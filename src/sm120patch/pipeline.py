@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from packaging.version import InvalidVersion, Version
 
 from sm120patch import jitcache
-from sm120patch.assess import Assessment, PatchState, assess, present_by_meaning, status_exit_code
+from sm120patch.assess import Assessment, assess, present_by_meaning, status_exit_code
 from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
@@ -243,9 +243,7 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
                 pending, blocks = f"unreadable ledger ({exc.message})", True
             pending, blocks = _pending(tree, pending, blocks, located.command("revert --force"))
         a = assess(tree, tree.distribution, ledger=ledger)
-        applied = (frozenset(p.id for p in a.patch_set.patches if a.patch_state(p) is PatchState.APPLIED)
-                   if a.patch_set is not None else None)
-        item = TreeStatus(a, pending, blocks, advice=tree.distribution.advice_for(tree.version, applied),
+        item = TreeStatus(a, pending, blocks, advice=tree.distribution.advice_for(tree.version, a.applied_ids),
                           routed_from=routed.get(tree.distribution.name))
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
         if shown is not None and (not installed or a.patch_set is None) and not a.not_needed:

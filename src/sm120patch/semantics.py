@@ -97,23 +97,25 @@ def auto_enable(text: str) -> tuple[bool, str]:
     return False, "no auto-enable condition found"
 
 
-@check("symm-mem")
-def symm_mem(text: str) -> tuple[bool, str]:
-    for node in ast.parse(text).body:
-        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
-        if any(n.endswith("SYMM_MEM_ALL_REDUCE_MAX_SIZES") for n in names) and isinstance(node.value, ast.Dict):
-            keys = [ast.literal_eval(k) for k in node.value.keys if k is not None]
-            return 12 in keys, f"{names[0]} keys: {keys}"
-    return False, "no SYMM_MEM_ALL_REDUCE_MAX_SIZES dict"
-
-
-def _module_dict_keys(tree: ast.Module, name: str) -> list | None:
-    """The literal keys of a module-level dict ``name = {...}`` (annotated or not), or None."""
+def _module_dicts(tree: ast.Module) -> dict[str, list]:
+    """Module-level dict literals (``NAME = {...}``, annotated or not): name -> literal keys, in
+    the module's order, the first binding of each name."""
+    found: dict[str, list] = {}
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and isinstance(node.value, ast.Dict):
-            return [ast.literal_eval(k) for k in node.value.keys if k is not None]
-    return None
+        if targets and isinstance(node.value, ast.Dict):
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, [ast.literal_eval(k) for k in node.value.keys if k is not None])
+    return found
+
+
+@check("symm-mem")
+def symm_mem(text: str) -> tuple[bool, str]:
+    for name, keys in _module_dicts(ast.parse(text)).items():
+        if name.endswith("SYMM_MEM_ALL_REDUCE_MAX_SIZES"):
+            return 12 in keys, f"{name} keys: {keys}"
+    return False, "no SYMM_MEM_ALL_REDUCE_MAX_SIZES dict"
 
 
 VLLM_FUSION_TABLES = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB")
@@ -123,8 +125,8 @@ VLLM_FUSION_TABLES = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT
 def fusion_table(text: str) -> tuple[bool, str]:
     """vLLM's pass reads both tables by compute capability (``to_int()``: 120 for SM120); with no
     120 row it logs 'not supported for world size' and stays off."""
-    tree = ast.parse(text)
-    keys = {name: _module_dict_keys(tree, name) for name in VLLM_FUSION_TABLES}
+    tables = _module_dicts(ast.parse(text))
+    keys = {name: tables.get(name) for name in VLLM_FUSION_TABLES}
     missing = [name for name, found in keys.items() if found is None]
     if missing:
         return False, f"no {' or '.join(missing)} table"
