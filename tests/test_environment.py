@@ -3,6 +3,8 @@ error; an install is identified by its .dist-info, and its files are read only w
 
 from __future__ import annotations
 
+import csv
+import io
 import sys
 from pathlib import Path
 
@@ -10,16 +12,16 @@ import pytest
 
 from helpers import COMM
 from sm120patch.distributions import load_registry
-from sm120patch.environment import InstalledDistribution, parse_record_hash, resolve_python, start_probe
+from sm120patch.environment import InstalledDistribution, parse_record_hash, record_rows, resolve_python, start_probe
 from sm120patch.errors import TargetError
 from sm120patch.patchsets import normalize_relpath
 from sm120patch.trees import InstalledTree
 
-REGISTRY = load_registry(check_rewriters=False)
+REGISTRY = load_registry(full=False)
 
 
 def probe(python=None):
-    return start_probe(python, REGISTRY.wanted_rows()).result()
+    return start_probe(python, REGISTRY.names).result(REGISTRY.wanted_rows)
 
 
 def test_record_hashes_decode_to_hex():
@@ -136,3 +138,51 @@ def test_only_an_unconditional_exact_pin_is_a_pin(line, pin):
     dist = InstalledDistribution(name="sglang", raw_version="0.5.9", site_dir=Path("/x"), dist_info=Path("/x/d"),
                                  record={}, requires=(line,))
     assert dist.pinned_version_of("flashinfer-python") == pin
+
+
+RECORD = (
+    'vllm/__init__.py,sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU,0\r\n'
+    '"vllm/configs/E=1,N=14336.json",sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU,12\r\n'
+    'x/vllm/__init__.py,,\r\n'
+    'vllm/config/vllm.py,sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU,7\r\n'
+    'vllm-0.19.0.dist-info/RECORD,,'
+)
+
+
+def test_record_rows_are_the_csv_modules_rows_of_the_wanted_files():
+    wanted = ["vllm/__init__.py", "vllm/configs/E=1,N=14336.json", "vllm/config/vllm.py", "vllm-0.19.0.dist-info/RECORD",
+              "vllm/missing.py"]
+    rows = record_rows(RECORD.encode(), wanted)
+    expected = {row[0]: row for row in csv.reader(io.StringIO(RECORD)) if row[0] in wanted}
+    assert sorted(rows) == sorted(expected)  # first line, quoted path, last line without newline; not x/vllm/...
+    for path, (_, hash_value, size) in expected.items():
+        assert rows[path].sha256 == (parse_record_hash(hash_value) if hash_value else None)
+        assert rows[path].size == (int(size) if size else None)
+    assert set(record_rows(RECORD.encode(), suffixes=["/__init__.py"])) == {"vllm/__init__.py", "x/vllm/__init__.py"}
+
+
+def test_metadata_only_importlib_metadata_can_read_is_found_too(tmp_path, monkeypatch):
+    # An .egg-info (a legacy `setup.py develop`): the probe falls back to importlib.metadata.
+    (tmp_path / "vllm-0.19.0-py3.11.egg-info").mkdir()
+    (tmp_path / "vllm-0.19.0-py3.11.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.19.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    vllm = probe().get("vllm")
+    assert (vllm.raw_version, vllm.has_record, vllm.record) == ("0.19.0", False, {})
+
+
+def test_a_dist_info_is_read_by_sm120patch_itself(tmp_path, monkeypatch):
+    dist_info = tmp_path / "vllm-0.19.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: vLLM\nVersion: 0.19.0\n"
+                                        "Requires-Dist: flashinfer-python==0.6.4\n\nlong description\n")
+    (dist_info / "RECORD").write_text(RECORD.replace("\r\n", "\n"))
+    (dist_info / "direct_url.json").write_text("{not json")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    vllm = probe().get("vllm")
+    assert (vllm.raw_version, vllm.dist_info, vllm.site_dir) == ("0.19.0", dist_info, tmp_path)
+    # Only the rows of the files 0.19.0's patch set touches (this RECORD lists one of them).
+    assert "vllm/config/vllm.py" in REGISTRY.get("vllm").files_for("0.19.0") and list(vllm.record) == ["vllm/config/vllm.py"]
+    assert vllm.record["vllm/config/vllm.py"].size == 7 and vllm.pinned_version_of("flashinfer-python") == "0.6.4"
+    assert vllm.direct_url is None and not vllm.editable  # unreadable direct_url.json: not known to be editable
+    (dist_info / "RECORD").unlink()
+    assert probe().get("vllm").has_record is False

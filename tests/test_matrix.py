@@ -16,7 +16,7 @@ from sm120patch.distributions import load_registry
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
 
-REGISTRY = load_registry(check_rewriters=False)
+REGISTRY = load_registry(full=False)
 # vLLM wheels are ~400 MB each: CI takes the first release of each vLLM patch set (one per file
 # layout) and the newest; `make matrix` (SM120PATCH_FULL_MATRIX=1) takes every release.
 FULL = os.environ.get("SM120PATCH_FULL_MATRIX") == "1"

@@ -103,14 +103,41 @@ summary = "s"
 """
 
 
-def test_two_sets_pinning_one_release_conflict(tmp_path):
+def sets_dir(tmp_path: Path, files: dict[str, list[str]]) -> Path:
+    """patches/flashinfer-python/ with one valid set per file name, pinning the given releases."""
     directory = tmp_path / "flashinfer-python"
     directory.mkdir()
     (directory / "distribution.toml").write_text(DISTRIBUTION)
-    (directory / "a.toml").write_text(VALID.format(file="a.py"))
-    (directory / "b.toml").write_text(VALID.format(file="b.py"))
-    with pytest.raises(PatchDataError, match="also pinned by flashinfer-python/a.toml"):
-        load_registry(tmp_path)
+    for name, versions in files.items():
+        pins = ", ".join(f'"{v}"' for v in versions)
+        (directory / name).write_text(VALID.format(file="a.py").replace('versions = ["0.6.4"]', f"versions = [{pins}]"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"0.6.3.toml": ["0.6.3", "0.6.4"], "0.6.4.toml": ["0.6.4"]}, "also pinned by flashinfer-python/0.6.3.toml"),
+    ({"a.toml": ["0.6.4"]}, "a.toml: a patch set is named after the lowest release it pins"),
+    ({"0.6.4.toml": ["0.6.4"], "0.6.4.0.toml": ["0.6.5"]}, "are named after one release"),
+    ({"0.6.3.toml": ["0.6.4"]}, "named after 0.6.3, but the lowest release it pins is 0.6.4 (name it 0.6.4.toml)"),
+    ({"0.6.3.toml": ["0.6.3", "0.6.5"], "0.6.4.toml": ["0.6.4"]}, "pins 0.6.5, at or past the next set (0.6.4.toml)"),
+])
+def test_patch_sets_are_named_after_their_lowest_release_and_pin_each_release_once(tmp_path, files, message):
+    # What lets status read only one file: the set for a release is the last one named at or below it.
+    with pytest.raises(PatchDataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_registry(sets_dir(tmp_path, files))
+
+
+def test_status_reads_only_the_set_named_for_the_installed_release(tmp_path):
+    root = sets_dir(tmp_path, {"0.6.0.toml": ["0.6.0", "0.6.1"], "0.6.4.toml": ["0.6.4", "0.6.5"]})
+    (root / "flashinfer-python" / "0.6.0.toml").write_text("not = [toml")  # read it and fail
+    flashinfer = load_registry(root, full=False).get("flashinfer-python")
+    assert flashinfer.find(Version("0.6.5")).versions == (Version("0.6.4"), Version("0.6.5"))
+    assert flashinfer.find(Version("0.6.6")) is None and flashinfer.find(Version("0.5.9")) is None
+    assert flashinfer.files_for("0.6.5") == ("a.py",)
+    with pytest.raises(PatchDataError, match="0.6.0.toml: not valid TOML"):
+        flashinfer.find(Version("0.6.1"))
+    with pytest.raises(PatchDataError, match="0.6.0.toml: not valid TOML"):
+        load_registry(root)  # every other command reads every set first
 
 
 @pytest.mark.parametrize(
@@ -128,7 +155,7 @@ def test_malformed_distribution_data_is_a_clear_error(tmp_path, text, message):
     directory = tmp_path / "flashinfer-python"
     directory.mkdir()
     (directory / "distribution.toml").write_text(text)
-    (directory / "a.toml").write_text(VALID.format(file="a.py"))
+    (directory / "0.6.4.toml").write_text(VALID.format(file="a.py"))
     with pytest.raises(PatchDataError, match=message):
         load_registry(tmp_path)
 

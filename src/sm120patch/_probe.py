@@ -1,27 +1,28 @@
 # Runs inside the *target* interpreter (sm120patch never guesses paths): reports that
-# interpreter's prefix and, for each distribution asked about, where it is installed, its
-# version, and the RECORD rows of the files sm120patch cares about (not the whole RECORD:
-# FlashInfer's has over 2,000 rows, and status only needs a handful).
+# interpreter's prefix and, for each distribution asked about, where it is installed (its
+# .dist-info), its version, pins and installer. sm120patch reads the RECORD rows it needs
+# from that .dist-info itself: the probe needs only the names, so it starts before the patch
+# data is read and is done by the time the rest of sm120patch is imported.
 #
 # Standard library only; must run on every Python an inference server may use (3.8+). The
 # distribution is found the way importlib.metadata finds it (first sys.path entry holding its
 # .dist-info), but without importing importlib.metadata, which costs more than the rest of the
 # probe together; importlib.metadata is the fallback for anything else (an .egg-info, a zip).
+# Nor does it import json or re (each would double the probe's time, most of it on the path
+# of `status`): the answer is a Python literal (repr), which sm120patch reads with
+# ast.literal_eval, and names are matched with str methods.
 #
-# argv[1]: JSON {"<name>": {"files": [relpath, ...], "suffixes": [suffix, ...]}, ...}
-# Prints one JSON document on stdout.
-import csv
-import json
+# argv[1:]: the distribution names. Prints one Python literal (a dict) on stdout.
 import os
-import re
 import sys
-
-_DIST_INFO = re.compile(r"^(?P<name>.+)-(?P<version>[^-]+)\.dist-info$")
-_OTHER_METADATA = re.compile(r"^(?P<name>[^-]+)(-.*)?\.egg-info$")
 
 
 def normalize(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
+    """PEP 503: every run of -, _ and . is one -, lowercase."""
+    name = name.lower().replace("_", "-").replace(".", "-")
+    while "--" in name:
+        name = name.replace("--", "-")
+    return name
 
 
 def headers(text):
@@ -49,6 +50,20 @@ def read(path):
         return None
 
 
+def metadata_name(entry):
+    """(normalized name, kind) of a directory entry that is distribution metadata:
+    ``<name>-<version>.dist-info`` or ``<name>[-...].egg-info``; (None, None) otherwise."""
+    if entry.endswith(".dist-info"):
+        name, dash, version = entry[:-len(".dist-info")].rpartition("-")
+        if dash and name and version:
+            return normalize(name), "dist-info"
+    elif entry.endswith(".egg-info"):
+        name = entry[:-len(".egg-info")].partition("-")[0]
+        if name:
+            return normalize(name), "egg-info"
+    return None, None
+
+
 def find_dist_info(wanted, listings):
     """(site dir, .dist-info path); (None, None) when not installed; (None, "other") when only
     importlib.metadata can tell (an .egg-info, a zip on sys.path)."""
@@ -64,22 +79,21 @@ def find_dist_info(wanted, listings):
             other = other or os.path.isfile(entry)
             continue
         for name in listings[entry]:
-            match = _DIST_INFO.match(name)
-            if match and normalize(match.group("name")) == wanted:
-                return entry, os.path.join(entry, name)
-            match = _OTHER_METADATA.match(name)
-            if match and normalize(match.group("name")) == wanted:
+            found, kind = metadata_name(name)
+            if found == wanted:
+                if kind == "dist-info":
+                    return entry, os.path.join(entry, name)
                 other = True
     return None, ("other" if other else None)
 
 
-def describe(wanted, want, listings):
+def describe(wanted, listings):
     site, dist_info = find_dist_info(wanted, listings)
     if dist_info is None:  # not installed: no need for importlib.metadata (slow to import)
         return None
     if dist_info != "other":
         meta = headers(read(os.path.join(dist_info, "METADATA")) or "")
-        record_text = read(os.path.join(dist_info, "RECORD"))
+        fallback = {}  # sm120patch reads RECORD from dist_info itself
         direct_url = read(os.path.join(dist_info, "direct_url.json"))
         installer = read(os.path.join(dist_info, "INSTALLER"))
         name, version, requires = meta["Name"], meta["Version"], meta["Requires-Dist"]
@@ -92,40 +106,33 @@ def describe(wanted, want, listings):
             dist = metadata.distribution(wanted)
         except metadata.PackageNotFoundError:
             return None
-        record_text, direct_url = dist.read_text("RECORD"), dist.read_text("direct_url.json")
+        # No .dist-info directory sm120patch could read: ship RECORD's text (rare: a zip, an egg).
+        fallback = {"record_text": dist.read_text("RECORD")}
+        direct_url = dist.read_text("direct_url.json")
         installer = dist.read_text("INSTALLER")
-        name, version, requires = dist.metadata["Name"], dist.version, dist.requires or []
+        name, version, requires = dist.metadata["Name"], dist.version, list(dist.requires or [])
         site, dist_info = str(dist.locate_file("")), str(getattr(dist, "_path", ""))
-    files, suffixes = set(want.get("files", ())), tuple(want.get("suffixes", ()))
-    record = []
-    if record_text:
-        for row in csv.reader(record_text.splitlines()):
-            if row and (row[0] in files or (suffixes and row[0].endswith(suffixes))):
-                record.append((row + ["", ""])[:3])
-    return {
+    return dict(fallback, **{
         "name": name,
         "version": version,
         "site_dir": site,
         "dist_info": dist_info,
-        "has_record": record_text is not None,
-        "record": record,
-        "direct_url": json.loads(direct_url) if direct_url else None,
+        "direct_url": direct_url,  # JSON text; sm120patch parses it
         "requires": requires,
         "installer": installer.strip() if installer else None,
-    }
+    })
 
 
 def main():
-    request = json.loads(sys.argv[1])
     listings = {}
     import site
 
-    print(json.dumps({
+    print(repr({
         "executable": sys.executable,
         "python_version": "%d.%d.%d" % sys.version_info[:3],
         "prefix": sys.prefix,
         "user_base": getattr(site, "USER_BASE", None) or "",
-        "distributions": {name: describe(normalize(name), want, listings) for name, want in request.items()},
+        "distributions": {name: describe(normalize(name), listings) for name in sys.argv[1:]},
     }))
 
 

@@ -10,8 +10,8 @@ way before, with the closest set by meaning (the semantic checks), and says so.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Sequence
 
 from sm120patch.distributions import Distribution
 from sm120patch.errors import ExitCode, PatchDataError
@@ -61,8 +61,7 @@ class Origin(enum.Enum):
     BY_HAND = "by hand"  # patched or changed, and sm120patch has no record of it
 
 
-@dataclass(frozen=True)
-class FileAssessment:
+class FileAssessment(NamedTuple):
     read: FileRead
     state: FileState
     sha256: str | None
@@ -84,13 +83,12 @@ class FileAssessment:
         return self.read.link
 
 
-@dataclass
-class Assessment:
+class Assessment(NamedTuple):
     tree: object  # InstalledTree | CheckoutTree
     distribution: Distribution
     patch_set: PatchSet | None
     manifest: Manifest | None
-    files: dict[str, FileAssessment] = field(default_factory=dict)
+    files: Mapping[str, FileAssessment] = MappingProxyType({})
     ledger: Ledger | None = None
     fixed_upstream: bool = False
     not_needed: bool = False  # a release the distribution's data says needs no patch
@@ -162,20 +160,17 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
     if patch_set is None:
         exempt = distribution.needs_nothing(version)
         if exempt is not None:
-            result.not_needed, result.reason = True, exempt.render(tree.raw_version)
-            return result
+            return result._replace(not_needed=True, reason=exempt.render(tree.raw_version))
         if distribution.fixed_upstream(version):
-            result.fixed_upstream = True
-            result.reason = (f"{distribution.name} {tree.raw_version} supports SM120 here natively "
-                             f"(fixed upstream in {distribution.fixed_in})"
-                             + (f". {distribution.still_gated}" if distribution.still_gated else ""))
-            return result
+            return result._replace(fixed_upstream=True, reason=(
+                f"{distribution.name} {tree.raw_version} supports SM120 here natively (fixed upstream in "
+                f"{distribution.fixed_in})" + (f". {distribution.still_gated}" if distribution.still_gated else "")))
         if tree.raw_version in distribution.sdist_only:
-            result.reason = (f"{distribution.name} {tree.raw_version} was published as an sdist only: there is no wheel "
-                             "RECORD to check its files against; upgrade to a release sm120patch knows "
-                             "(see `sm120patch list`)")
-            return result
-        result.reason = f"no patch set is pinned to {distribution.name} {tree.raw_version} ({distribution.nearest(version)})"
+            return result._replace(reason=(
+                f"{distribution.name} {tree.raw_version} was published as an sdist only: there is no wheel RECORD to "
+                "check its files against; upgrade to a release sm120patch knows (see `sm120patch list`)"))
+        result = result._replace(reason=f"no patch set is pinned to {distribution.name} {tree.raw_version} "
+                                        f"({distribution.nearest(version)})")
         borrowed = None
         if ledger is not None and ledger.unpinned and ledger.patch_set and ledger.version == tree.raw_version:
             borrowed = distribution.patch_set_named(ledger.patch_set)
@@ -183,16 +178,16 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
             borrowed = distribution.closest_set(version)
         if borrowed is None:
             return result
-        result.patch_set, result.unpinned = borrowed, True
-        result.manifest = _unpinned_manifest(tree, borrowed, ledger)
+        manifest = _unpinned_manifest(tree, borrowed, ledger)
+        result = result._replace(patch_set=borrowed, unpinned=True)
     else:
-        result.manifest = load_manifest(distribution.name, str(version))
-        if result.manifest is None:
+        manifest = load_manifest(distribution.name, str(version))
+        if manifest is None:
             raise PatchDataError(f"no vendor manifest for {distribution.name} {tree.raw_version}; run `make manifests`")
-    for relpath in result.patch_set.files:
-        result.files[relpath] = assess_file(tree, relpath, result.manifest.files[relpath], result.patch_set,
-                                            ledger.files.get(relpath) if ledger else None)
-    return result
+    files = {relpath: assess_file(tree, relpath, manifest.files[relpath], result.patch_set,
+                                  ledger.files.get(relpath) if ledger else None)
+             for relpath in result.patch_set.files}
+    return result._replace(manifest=manifest, files=files)
 
 
 def _unpinned_manifest(tree, patch_set: PatchSet, ledger: Ledger | None) -> Manifest:

@@ -183,12 +183,14 @@ def status(python, source, jit_cache_base, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
-    from sm120patch import distributions, environment
+    from sm120patch import environment
 
-    # The probe runs in the target interpreter while the rest of sm120patch is imported.
-    registry = distributions.load_registry(check_rewriters=False)
-    probe = None if source else environment.start_probe(python, registry.wanted_rows())
-    from sm120patch import pipeline, render
+    # The probe runs in the target interpreter while the patch data is read and the rest of
+    # sm120patch is imported: it needs only the distributions' names.
+    probe = None if source else environment.start_probe(python, [name for _, name in SELECTORS])
+    from sm120patch import distributions, pipeline, render
+
+    registry = distributions.load_registry(full=False)
 
     report = pipeline.status(request_from(python=python, source=source, jit_cache_base=jit_cache_base, **selectors),
                              registry, probe=probe)
@@ -473,7 +475,7 @@ def export(source, out):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
     from sm120patch import checkout, distributions, trees
 
-    tree = trees.open_checkout(source, distributions.load_registry(check_rewriters=False))
+    tree = trees.open_checkout(source, distributions.load_registry(full=False))
     for path in checkout.export(tree, Path(out)):
         click.echo(f"wrote {path}")
 
@@ -485,7 +487,7 @@ def list_(as_json):
     """Every release sm120patch knows, its patches (required and opt-in), and the upstream fix."""
     from sm120patch import distributions, render
 
-    registry = distributions.load_registry(check_rewriters=False)
+    registry = distributions.load_registry(full=False)
     emit(json.dumps(render.list_json(registry), indent=2) if as_json else render.render_list(registry))
 
 

@@ -10,10 +10,11 @@ a :class:`Distribution`, never compares a distribution's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from sm120patch.data import data_dir
 from sm120patch.errors import PatchDataError
@@ -23,8 +24,7 @@ LEVELS = ("info", "warn")
 ANY = ""  # a selector given without a version (--flashinfer alone): whatever release is installed
 
 
-@dataclass(frozen=True)
-class Advice:
+class Advice(NamedTuple):
     """A sentence status and doctor show for the releases ``versions`` matches."""
 
     versions: SpecifierSet
@@ -48,8 +48,7 @@ class Advice:
         return self.text.replace("{version}", raw_version)
 
 
-@dataclass(frozen=True)
-class NothingToPatch:
+class NothingToPatch(NamedTuple):
     """Releases that need no patch of this distribution, and why (vLLM before its capability
     gate: fusion needs only FlashInfer's patch and the flag)."""
 
@@ -60,8 +59,7 @@ class NothingToPatch:
         return self.reason.replace("{version}", raw_version)
 
 
-@dataclass(frozen=True)
-class CheckoutLayout:
+class CheckoutLayout(NamedTuple):
     """How a git checkout of the project maps the wheel's paths (RECORD paths) to its own."""
 
     markers: tuple[str, ...]  # paths that exist in a checkout of this project
@@ -78,8 +76,7 @@ class CheckoutLayout:
         return all((root / marker).exists() for marker in self.markers)
 
 
-@dataclass(frozen=True)
-class VerifySpec:
+class VerifySpec(NamedTuple):
     """How `verify` exercises the distribution beyond hashes and semantic checks."""
 
     jit_spec: str | None = None  # "module:function" returning the JIT spec of jit_module
@@ -88,12 +85,75 @@ class VerifySpec:
     compile_header: str | None = None  # the RECORD path `verify --compile` builds PTX from
 
 
-@dataclass(frozen=True)
-class Distribution:
+class PatchSets:
+    """A distribution's patch-set files, each read when first needed: ``status`` reads only the
+    one for the installed release (reading all of them was a tenth of its time). A file is
+    named after the lowest release it pins and pins none at or past the next file's name
+    (:meth:`all` checks it), so the set for a release can only be the last file named at or
+    below it."""
+
+    __slots__ = ("_distribution", "_named", "_check_rewriters", "_read", "_all")
+
+    def __init__(self, distribution: str, directory: Path, *, check_rewriters: bool = True) -> None:
+        named = []
+        for path in directory.glob("*.toml"):
+            if path.name != "distribution.toml":
+                where = f"{distribution}/{path.name}"
+                try:
+                    named.append((Version(path.stem), path))
+                except InvalidVersion:
+                    raise PatchDataError(f"{where}: a patch set is named after the lowest release it pins "
+                                         "(e.g. 0.6.4.toml)") from None
+        named.sort(key=lambda item: item[0])
+        for (first, a), (second, b) in zip(named, named[1:]):
+            if first == second:
+                raise PatchDataError(f"{distribution}/{a.name} and {b.name} are named after one release")
+        self._distribution, self._named, self._check_rewriters = distribution, named, check_rewriters
+        self._read: dict[Path, PatchSet] = {}
+        self._all: tuple[PatchSet, ...] | None = None
+
+    def _parse(self, path: Path) -> PatchSet:
+        if path not in self._read:
+            self._read[path] = parse_patch_set(path, self._distribution, check_rewriters=self._check_rewriters)
+        return self._read[path]
+
+    def for_version(self, version: Version) -> PatchSet | None:
+        """The set pinned to exactly ``version`` ('0.6.4' is not '0.6.4.post1' nor '0.6.4+local')."""
+        candidates = [path for named, path in self._named if named <= version]
+        if not candidates:
+            return None
+        patch_set = self._parse(candidates[-1])
+        return patch_set if any(str(version) == str(pinned) for pinned in patch_set.versions) else None
+
+    def all(self) -> tuple[PatchSet, ...]:
+        """Every set, in release order, each checked against the naming rule and the others' pins."""
+        if self._all is None:
+            sets = tuple(self._parse(path) for _, path in self._named)
+            seen: dict[str, PatchSet] = {}
+            for patch_set in sets:
+                for version in patch_set.versions:
+                    if str(version) in seen:
+                        raise PatchDataError(f"{patch_set.name}: {self._distribution} {version} is also pinned by "
+                                             f"{seen[str(version)].name}")
+                    seen[str(version)] = patch_set
+            for index, (named, path) in enumerate(self._named):
+                patch_set = self._read[path]
+                following = self._named[index + 1][0] if index + 1 < len(self._named) else None
+                if min(patch_set.versions) != named:
+                    raise PatchDataError(f"{patch_set.name}: named after {named}, but the lowest release it pins is "
+                                         f"{min(patch_set.versions)} (name it {min(patch_set.versions)}.toml)")
+                if following is not None and max(patch_set.versions) >= following:
+                    raise PatchDataError(f"{patch_set.name}: pins {max(patch_set.versions)}, at or past the next set "
+                                         f"({following}.toml)")
+            self._all = sets
+        return self._all
+
+
+class Distribution(NamedTuple):
     name: str
     option: str  # the selector: --<option> [VERSION]
     summary: str
-    patch_sets: tuple[PatchSet, ...] = ()
+    sets: PatchSets | None = None  # its patch-set files, read when needed
     fixed_in: Version | None = None
     upstream: str | None = None
     sdist_only: tuple[str, ...] = ()
@@ -104,20 +164,22 @@ class Distribution:
     nothing_to_patch: tuple[NothingToPatch, ...] = ()
     checkout: CheckoutLayout | None = None
     verify: VerifySpec = VerifySpec()
-    directory: Path = field(default=Path("."), compare=False)
+    directory: Path = Path(".")
 
     @property
     def selector(self) -> str:
         return f"--{self.option}"
 
+    @property
+    def patch_sets(self) -> tuple[PatchSet, ...]:
+        """Every patch set, in release order (reads every file: ``find`` reads one)."""
+        return self.sets.all() if self.sets is not None else ()
+
     def find(self, version: Version | None) -> PatchSet | None:
         """The patch set pinned to exactly ``version`` ('0.6.4' is not '0.6.4.post1' nor '0.6.4+local')."""
-        if version is None:
+        if version is None or self.sets is None:
             return None
-        for patch_set in self.patch_sets:
-            if any(str(version) == str(pinned) for pinned in patch_set.versions):
-                return patch_set
-        return None
+        return self.sets.for_version(version)
 
     def known_versions(self) -> list[Version]:
         return sorted(v for ps in self.patch_sets for v in ps.versions)
@@ -159,15 +221,24 @@ class Distribution:
     def patch_set_named(self, name: str) -> PatchSet | None:
         return next((ps for ps in self.patch_sets if ps.name == name or ps.path.name == name), None)
 
-    @property
-    def all_files(self) -> tuple[str, ...]:
-        """Every file any of its patch sets touches (what the target probe reads RECORD rows of)."""
+    def files_for(self, raw_version: str) -> tuple[str, ...]:
+        """The files whose RECORD rows sm120patch reads for this release: those of the set pinned
+        to it, or (a release no set pins: ``--force`` borrows the closest set) those of every set."""
+        from sm120patch.environment import parse_version as version_or_none
+
+        pinned = self.find(version_or_none(raw_version))
+        if pinned is not None:
+            return pinned.files
         return tuple(dict.fromkeys(f for ps in self.patch_sets for f in ps.files))
 
 
-@dataclass(frozen=True)
 class Registry:
-    distributions: tuple[Distribution, ...]
+    """Every supported distribution, in name order (what ``load_registry`` reads)."""
+
+    __slots__ = ("distributions",)
+
+    def __init__(self, distributions: tuple[Distribution, ...]) -> None:
+        self.distributions = distributions
 
     def __iter__(self):
         return iter(self.distributions)
@@ -189,10 +260,10 @@ class Registry:
     def patch_sets(self) -> list[PatchSet]:
         return [ps for d in self.distributions for ps in d.patch_sets]
 
-    def wanted_rows(self) -> dict[str, dict]:
-        """What the target probe reads of each distribution's RECORD: the files its patch sets
-        touch (not the thousands of others)."""
-        return {d.name: {"files": list(d.all_files)} for d in self.distributions}
+    def wanted_rows(self, name: str, raw_version: str) -> dict:
+        """Which rows of ``name``'s RECORD sm120patch reads when ``raw_version`` is installed: the
+        files its patch set touches (not the thousands of others)."""
+        return {"files": list(self.get(name).files_for(raw_version))}
 
 
 def _str_list(doc: dict, key: str, where: str) -> tuple[str, ...]:
@@ -216,7 +287,10 @@ def _specifier(value: str, where: str) -> SpecifierSet:
         raise PatchDataError(f"{where}: {value!r} is not a version specifier") from None
 
 
-def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Distribution:
+def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
+    """``full``: read and check every patch set now (each rewriter constructed, pins across
+    sets, the patch ids advice names). Without it (``status``) a set is read when first needed,
+    and its rewriters are not constructed (status never runs one)."""
     where = f"{directory.name}/distribution.toml"
     doc = read_toml(directory / "distribution.toml", where)
     from sm120patch.environment import normalize_name
@@ -256,21 +330,15 @@ def parse_distribution(directory: Path, *, check_rewriters: bool = True) -> Dist
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
     fixed_in = _optional_str(doc, "fixed_in", where)
-    patch_sets = tuple(parse_patch_set(path, name, check_rewriters=check_rewriters)
-                       for path in sorted(directory.glob("*.toml")) if path.name != "distribution.toml")
-    ids = {p.id for patch_set in patch_sets for p in patch_set.patches}
-    for index, item in enumerate(advice):
-        unknown_ids = sorted(set(item.when_applied + item.unless_applied) - ids)
-        if unknown_ids:
-            raise PatchDataError(f"{where}: advice #{index + 1} names no patch of {name}: {', '.join(unknown_ids)}")
-    seen: dict[str, PatchSet] = {}
-    for patch_set in patch_sets:
-        for version in patch_set.versions:
-            if str(version) in seen:
-                raise PatchDataError(f"{patch_set.name}: {name} {version} is also pinned by {seen[str(version)].name}")
-            seen[str(version)] = patch_set
+    sets = PatchSets(name, directory, check_rewriters=full)
+    if full:
+        ids = {p.id for patch_set in sets.all() for p in patch_set.patches}
+        for index, item in enumerate(advice):
+            unknown_ids = sorted(set(item.when_applied + item.unless_applied) - ids)
+            if unknown_ids:
+                raise PatchDataError(f"{where}: advice #{index + 1} names no patch of {name}: {', '.join(unknown_ids)}")
     return Distribution(
-        name=name, option=doc["option"], summary=doc["summary"], patch_sets=patch_sets,
+        name=name, option=doc["option"], summary=doc["summary"], sets=sets,
         fixed_in=parse_version(fixed_in, where) if fixed_in else None,
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
@@ -292,13 +360,14 @@ def selectors(directory: Path | None = None) -> list[tuple[str, str]]:
     return found
 
 
-def load_registry(directory: Path | None = None, *, check_rewriters: bool = True) -> Registry:
-    """Every distribution under ``patches/`` (or ``directory``), in name order."""
+def load_registry(directory: Path | None = None, *, full: bool = True) -> Registry:
+    """Every distribution under ``patches/`` (or ``directory``), in name order. ``full=False``
+    is what ``status`` reads: each patch set when first needed (see :func:`parse_distribution`)."""
     directory = directory or data_dir("patches")
     found = sorted(p.parent for p in directory.glob("*/distribution.toml"))
     if not found:
         raise PatchDataError(f"no distributions under {directory} (patches/<name>/distribution.toml)")
-    distributions = tuple(parse_distribution(d, check_rewriters=check_rewriters) for d in found)
+    distributions = tuple(parse_distribution(d, full=full) for d in found)
     options = [d.option for d in distributions]
     if len(set(options)) != len(options):
         raise PatchDataError(f"two distributions share one selector: {options}")

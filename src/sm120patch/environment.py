@@ -2,21 +2,22 @@
 
 sm120patch never guesses site-packages paths. It runs a small standard-library probe in the
 target interpreter (``--python PATH``, default: the interpreter running sm120patch) and trusts
-what that interpreter reports. The probe ships only the RECORD rows of the files sm120patch
-reads; an install is identified by its ``.dist-info`` directory, not by the interpreter.
+what that interpreter reports: where each distribution's ``.dist-info`` is. sm120patch then
+reads from that RECORD only the rows of the files its patch sets touch; an install is
+identified by its ``.dist-info`` directory, not by the interpreter.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from types import MappingProxyType
+from typing import Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -32,6 +33,46 @@ PROBE_TIMEOUT_S = 60
 # Distributions sm120patch reports on without patching them, and the RECORD rows it wants.
 FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
 COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {}}
+
+
+def record_rows(data: bytes, files=(), suffixes=()) -> dict[str, RecordEntry]:
+    """The rows of a RECORD (CSV: path,hash,size) for ``files`` and for paths ending in one of
+    ``suffixes``. FlashInfer's RECORD has 2,000 rows and sm120patch needs a handful: each wanted
+    path is looked up where a row can start (bare, or quoted as the csv module quotes), and only
+    a suffix (a companion's .so) makes it read every row."""
+    lines = []
+    for path in files:
+        for field in (path, '"' + path.replace('"', '""') + '"'):
+            needle = field.encode("utf-8") + b","
+            if data.startswith(needle):
+                start = 0
+            else:
+                start = data.find(b"\n" + needle) + 1
+                if not start:  # find gave -1
+                    continue
+            end = data.find(b"\n", start)
+            lines.append(data[start:] if end == -1 else data[start:end])
+            break
+    if suffixes:
+        lines += data.splitlines()
+    rows, suffixes, wanted = {}, tuple(suffixes), set(files)
+    for raw in lines:
+        try:
+            line = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError:
+            continue
+        if '"' in line:  # a quoted path (it holds a comma or a quote): the csv module's rules
+            import csv
+
+            row = next(csv.reader([line]), [])
+        else:
+            row = line.split(",")
+        if not row or not (row[0] in wanted or (suffixes and row[0].endswith(suffixes))):
+            continue
+        path, hash_value, size = (row + ["", ""])[:3]
+        rows[path] = RecordEntry(path=path, sha256=parse_record_hash(hash_value) if hash_value else None,
+                                 size=int(size) if size.isdigit() else None)
+    return rows
 
 
 def parse_version(raw: str) -> Version | None:
@@ -59,8 +100,7 @@ def parse_record_hash(value: str) -> str | None:
     return base64.urlsafe_b64decode(padded).hex()
 
 
-@dataclass(frozen=True)
-class RecordEntry:
+class RecordEntry(NamedTuple):
     """One row of a wheel's ``RECORD``: the hash is kept as lowercase sha256 hex."""
 
     path: str
@@ -68,8 +108,7 @@ class RecordEntry:
     size: int | None
 
 
-@dataclass(frozen=True)
-class InstalledDistribution:
+class InstalledDistribution(NamedTuple):
     """One install of a distribution: its ``.dist-info`` directory is its identity."""
 
     name: str
@@ -108,13 +147,12 @@ class InstalledDistribution:
         return None
 
 
-@dataclass(frozen=True)
-class Environment:
+class Environment(NamedTuple):
     executable: Path
     python_version: str
     prefix: Path
     user_base: Path | None
-    distributions: Mapping[str, InstalledDistribution | None] = field(default_factory=dict)
+    distributions: Mapping[str, InstalledDistribution | None] = MappingProxyType({})
 
     def get(self, name: str) -> InstalledDistribution | None:
         return self.distributions.get(name)
@@ -141,6 +179,8 @@ def resolve_python(python: str | os.PathLike) -> str:
     resolving it would ask the wrong environment)."""
     text = os.fspath(python)
     if os.sep not in text:
+        import shutil  # here, not at the top: its import (the archive modules) is 3 ms of `status`
+
         found = shutil.which(text)
         if found is None:
             raise TargetError(f"--python {text}: not found on PATH")
@@ -160,16 +200,19 @@ def _probe_source() -> str:
     return Path(__file__).with_name("_probe.py").read_text(encoding="utf-8")
 
 
-@dataclass
-class Probe:
-    """The probe running in the target interpreter; :meth:`result` waits for it. Starting it
-    before importing the rest of sm120patch overlaps the two (``status`` stays fast)."""
+class Probe(NamedTuple):
+    """The probe running in the target interpreter; :meth:`result` waits for it. It needs only
+    distribution names: started before the patch data is read and the rest of sm120patch is
+    imported, it runs while they are (``status`` stays fast)."""
 
     executable: str
     process: subprocess.Popen | None = None
     error: TargetError | None = None
 
-    def result(self) -> Environment:
+    def result(self, wanted: Callable[[str, str], Mapping] | None = None) -> Environment:
+        """Wait for the probe. ``wanted(name, version)`` says which rows of an installed
+        distribution's RECORD to read ({"files": [...], "suffixes": [...]}); a companion's rows
+        are always read."""
         if self.error is not None:
             raise self.error
         try:
@@ -178,32 +221,39 @@ class Probe:
             self.process.kill()
             raise TargetError(f"--python {self.executable}: no answer within {PROBE_TIMEOUT_S} s") from None
         try:
-            data = json.loads(stdout)
-            data["distributions"]
-        except (ValueError, TypeError, KeyError):
+            data = ast.literal_eval(stdout)  # the probe answers with a Python literal (no json there)
+            data["distributions"].items()
+        except (ValueError, TypeError, KeyError, SyntaxError, MemoryError, RecursionError, AttributeError):
             # Not a Python, or one too old to run the probe: say so without echoing what it
             # printed (a program that is not Python prints anything at all).
             raise TargetError(f"--python {self.executable}: not a usable Python interpreter (3.8 or newer)") from None
+
+        def rows(name: str, raw: Mapping) -> Mapping:
+            if name in COMPANIONS:
+                return COMPANIONS[name]
+            return wanted(name, raw["version"] or "") if wanted else {}
+
         return Environment(
             executable=Path(data["executable"] or self.executable),
             python_version=data["python_version"],
             prefix=Path(data["prefix"]),
             user_base=Path(data["user_base"]) if data["user_base"] else None,
-            distributions={name: _from_probe(name, raw) if raw else None for name, raw in data["distributions"].items()},
+            distributions={name: _from_probe(name, raw, rows(name, raw)) if raw else None
+                           for name, raw in data["distributions"].items()},
         )
 
 
-def start_probe(python: str | os.PathLike | None, wanted: Mapping[str, Mapping]) -> Probe:
-    """Start asking ``python`` (default: this interpreter) about the distributions ``wanted``
-    ({name: {"files": [...], "suffixes": [...]}}); companions are always asked about."""
+def start_probe(python: str | os.PathLike | None, names) -> Probe:
+    """Start asking ``python`` (default: this interpreter) where the distributions ``names``
+    are installed; companions are always asked about."""
     try:
         executable = resolve_python(python) if python is not None else sys.executable
     except TargetError as exc:
         return Probe(os.fspath(python), error=exc)
-    request = {**COMPANIONS, **wanted}
+    request = list(dict.fromkeys([*COMPANIONS, *names]))
     try:
         process = subprocess.Popen(
-            [executable, "-c", _probe_source(), json.dumps(request)],
+            [executable, "-c", _probe_source(), *request],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
             cwd="/",  # keep the caller's working directory off the target's sys.path
         )
@@ -212,19 +262,33 @@ def start_probe(python: str | os.PathLike | None, wanted: Mapping[str, Mapping])
     return Probe(executable, process)
 
 
-def _from_probe(name: str, raw: Mapping) -> InstalledDistribution:
-    record = {}
-    for path, hash_value, size in raw["record"]:
-        record[path] = RecordEntry(path=path, sha256=parse_record_hash(hash_value) if hash_value else None,
-                                   size=int(size) if size.isdigit() else None)
+def _json_or_none(text: str | None) -> Mapping | None:
+    """direct_url.json's document; None when there is none or it is not JSON (then the install
+    is not known to be editable)."""
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistribution:
+    if "record_text" in raw:  # found by importlib.metadata in the target (a zip, an egg)
+        data = raw["record_text"].encode("utf-8", "surrogateescape") if raw["record_text"] is not None else None
+    else:
+        try:
+            data = Path(raw["dist_info"], "RECORD").read_bytes()
+        except OSError:  # no RECORD: nothing is known of its files
+            data = None
+    record = record_rows(data, wanted.get("files", ()), wanted.get("suffixes", ())) if data is not None else {}
     return InstalledDistribution(
         name=name,  # the normalized name asked for, not the metadata's spelling
         raw_version=raw["version"],
         site_dir=Path(raw["site_dir"]),
         dist_info=Path(raw["dist_info"]),
         record=record,
-        has_record=raw.get("has_record", True),
-        direct_url=raw["direct_url"],
+        has_record=data is not None,
+        direct_url=_json_or_none(raw["direct_url"]),
         requires=tuple(raw["requires"]),
         installer=raw.get("installer"),
     )

@@ -18,9 +18,8 @@ import os
 import pwd
 import re
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
 from sm120patch.state import Owner
@@ -29,8 +28,7 @@ from sm120patch.transaction import ASIDE_TAG, flock
 LOCK_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class CacheBase:
+class CacheBase(NamedTuple):
     """Where FlashInfer's JIT cache is, and why sm120patch thinks so."""
 
     path: Path
@@ -130,8 +128,7 @@ def module_locks(entries_: list[Path], module: str, *, owner: Owner | None,
     return stack
 
 
-@dataclass(frozen=True)
-class AotShadow:
+class AotShadow(NamedTuple):
     """A prebuilt module that FlashInfer loads instead of compiling the patched sources."""
 
     path: str

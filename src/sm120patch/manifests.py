@@ -12,9 +12,8 @@ import csv
 import io
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from sm120patch.data import data_dir
 from sm120patch.environment import parse_record_hash
@@ -32,8 +31,7 @@ def combination_key(patches: Sequence[Patch]) -> str:
     return "+".join(p.id for p in patches)
 
 
-@dataclass(frozen=True)
-class FileHashes:
+class FileHashes(NamedTuple):
     pristine: str
     patched: Mapping[str, str]  # combination key -> sha256
 
@@ -44,8 +42,7 @@ class FileHashes:
         return None
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(NamedTuple):
     distribution: str
     version: str
     wheel: str

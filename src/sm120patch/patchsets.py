@@ -9,9 +9,8 @@ Nothing in this data is executed; rewriter parameters are only parsed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from packaging.version import InvalidVersion, Version
 
@@ -27,15 +26,13 @@ def normalize_relpath(relpath: str) -> str:
     return str(path)
 
 
-@dataclass(frozen=True)
-class Edit:
+class Edit(NamedTuple):
     rewriter: str
     sites: int
     params: Mapping[str, Any]
 
 
-@dataclass(frozen=True)
-class Patch:
+class Patch(NamedTuple):
     id: str
     file: str
     required: bool
@@ -46,8 +43,7 @@ class Patch:
     fixed_in: str | None = None
 
 
-@dataclass(frozen=True)
-class PatchSet:
+class PatchSet(NamedTuple):
     distribution: str
     versions: tuple[Version, ...]
     summary: str

@@ -11,9 +11,10 @@ lock: two runs at once behave as if one ran after the other.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from packaging.version import InvalidVersion, Version
 
@@ -35,11 +36,10 @@ if TYPE_CHECKING:  # planning and git commits are imported by the commands that 
 
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     python: str | None = None  # the target interpreter (default: the one running sm120patch)
     source: str | None = None  # a git checkout instead of an environment
-    selectors: Mapping[str, str] = field(default_factory=dict)  # distribution -> asserted version, or ANY
+    selectors: Mapping[str, str] = MappingProxyType({})  # distribution -> asserted version, or ANY
     with_ids: tuple[str, ...] = ()
     force: bool = False
     dry_run: bool = False
@@ -67,11 +67,10 @@ def normalize_selector(option: str, value: str) -> str:
 
 # -- locate ------------------------------------------------------------------------------------
 
-@dataclass
-class Located:
+class Located(NamedTuple):
     env: Environment | None
     trees: list  # InstalledTree | CheckoutTree, in registry order
-    routed: list[tuple[str, Path]] = field(default_factory=list)  # editable installs, to their checkouts
+    routed: list[tuple[str, Path]]  # editable installs, to their checkouts
 
     @property
     def installed(self) -> list[InstalledTree]:
@@ -102,9 +101,9 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
             raise UsageError(f"--source {request.source} is a {tree.distribution.name} checkout; "
                              f"{registry.get(other[0]).selector} does not apply to it")
         _check_version(tree, named.get(tree.distribution.name, ANY), request)
-        return Located(None, [tree])
-    env = (probe or start_probe(request.python, registry.wanted_rows())).result()
-    located = Located(env, [])
+        return Located(None, [tree], [])
+    env = (probe or start_probe(request.python, registry.names)).result(registry.wanted_rows)
+    located = Located(env, [], [])
     for distribution in registry:
         if named and distribution.name not in named:
             continue
@@ -182,22 +181,20 @@ def release_bytes(tree, request: Request, *, download: bool) -> ReleaseBytes | N
 
 # -- status ----------------------------------------------------------------------------------------
 
-@dataclass
-class JitStatus:
+class JitStatus(NamedTuple):
     base: jitcache.CacheBase
-    entries: list[Path] = field(default_factory=list)
-    stale: list[Path] = field(default_factory=list)
-    foreign: dict[Path, Path] = field(default_factory=dict)  # entry -> a source of another environment
-    asides: list[Path] = field(default_factory=list)
+    entries: list[Path]
+    stale: list[Path]
+    foreign: Mapping[Path, Path]  # entry -> a source of another environment
+    asides: list[Path]
 
 
-@dataclass
-class TreeStatus:
+class TreeStatus(NamedTuple):
     assessment: Assessment
     pending: str | None = None  # an interrupted run (or one in progress), in words
     pending_blocks: bool = False  # an interrupted run: status exits 3
-    by_meaning: dict[str, bool] = field(default_factory=dict)  # patch id -> present, by its semantic check
-    advice: list[Advice] = field(default_factory=list)
+    by_meaning: Mapping[str, bool] = MappingProxyType({})  # patch id -> present, by its semantic check
+    advice: Sequence[Advice] = ()
     pin: str | None = None
     jit: JitStatus | None = None
     routed_from: Path | None = None  # an editable install, shown as its checkout
@@ -211,12 +208,11 @@ class TreeStatus:
         return self.assessment.distribution
 
 
-@dataclass
-class StatusReport:
+class StatusReport(NamedTuple):
     target: str
     python_version: str | None
     trees: list[TreeStatus]
-    aot: list[jitcache.AotShadow] = field(default_factory=list)
+    aot: list[jitcache.AotShadow]
     registry_names: tuple[str, ...] = ()
 
     @property
@@ -228,10 +224,9 @@ class StatusReport:
 def status(request: Request, registry: Registry | None = None, *, probe=None) -> StatusReport:
     """``probe``: the target probe already started (by the CLI, before the rest of sm120patch
     is imported, so that the two overlap: status stays fast)."""
-    registry = registry or load_registry(check_rewriters=False)
+    registry = registry or load_registry(full=False)
     located = locate(request, registry, probe=probe)
-    report = StatusReport(located.target, located.env.python_version if located.env else None, [],
-                          registry_names=registry.names)
+    trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:
         installed = isinstance(tree, InstalledTree)
@@ -243,18 +238,21 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
                 pending, blocks = f"unreadable ledger ({exc.message})", True
             pending, blocks = _pending(tree, pending, blocks, located.command("revert --force"))
         a = assess(tree, tree.distribution, ledger=ledger)
-        item = TreeStatus(a, pending, blocks, advice=tree.distribution.advice_for(tree.version, a.applied_ids),
-                          routed_from=routed.get(tree.distribution.name))
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
+        by_meaning = {}
         if shown is not None and (not installed or a.patch_set is None) and not a.not_needed:
-            item.by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
+            by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
+        pin = jit = None
         if installed:
-            item.pin = _pin_mismatch(located.env, tree)
+            pin = _pin_mismatch(located.env, tree)
             if tree.distribution.jit_module:
-                item.jit = _jit_status(tree, a, request)
-                report.aot += jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)
-        report.trees.append(item)
-    return report
+                jit = _jit_status(tree, a, request)
+                aot += jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)
+        trees.append(TreeStatus(a, pending, blocks, by_meaning=by_meaning, pin=pin, jit=jit,
+                                advice=tree.distribution.advice_for(tree.version, a.applied_ids),
+                                routed_from=routed.get(tree.distribution.name)))
+    return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
+                        registry_names=registry.names)
 
 
 def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_command: str) -> tuple[str | None, bool]:
@@ -284,15 +282,15 @@ def _pin_mismatch(env: Environment, tree: InstalledTree) -> str | None:
 def _jit_status(tree: InstalledTree, a: Assessment, request: Request) -> JitStatus:
     module = tree.distribution.jit_module
     base = jitcache.cache_base(request.jit_base, owner=tree.owner)
-    found = JitStatus(base, jitcache.entries(tree.raw_version, base.path, module))
+    entries = jitcache.entries(tree.raw_version, base.path, module)
     sources = [fa.path for fa in a.files.values()]
-    found.stale = [e for e in found.entries if jitcache.is_stale(e, sources)]
-    for entry in found.entries:
+    foreign = {}
+    for entry in entries:
         other = jitcache.foreign_entry(entry, tree.dist.site_dir)
         if other is not None:
-            found.foreign[entry] = other
-    found.asides = jitcache.asides(tree.raw_version, base.path, module)
-    return found
+            foreign[entry] = other
+    return JitStatus(base, entries, stale=[e for e in entries if jitcache.is_stale(e, sources)], foreign=foreign,
+                     asides=jitcache.asides(tree.raw_version, base.path, module))
 
 
 # -- apply, revert, diff ---------------------------------------------------------------------------
@@ -417,7 +415,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
 
 def build(request: Request, registry: Registry | None = None) -> ChangeReport:
     """``sm120patch build``: warm the JIT cache of an environment that is patched already."""
-    registry = registry or load_registry(check_rewriters=False)
+    registry = registry or load_registry(full=False)
     located = locate(request, registry)
     report = ChangeReport("build", located.target)
     for tree in located.installed:
@@ -635,7 +633,7 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
 
 def diff(request: Request, registry: Registry | None = None) -> ChangeReport:
     """What apply would write, for every selected distribution: a dry run."""
-    return apply(replace(request, dry_run=True), registry)
+    return apply(request._replace(dry_run=True), registry)
 
 
 def diff_label(result: Result, planned) -> str:

@@ -21,9 +21,9 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 from sm120patch.errors import TransactionError
 from sm120patch.hashing import sha256
@@ -32,8 +32,7 @@ STATE_DIR_MODE = 0o700
 LEDGER_FORMAT = 2
 
 
-@dataclass(frozen=True)
-class Owner:
+class Owner(NamedTuple):
     uid: int
     gid: int
 
@@ -92,8 +91,7 @@ def ensure_dir(path: Path, owner: Owner) -> None:
         raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {path}")
 
 
-@dataclass(frozen=True)
-class LedgerFile:
+class LedgerFile(NamedTuple):
     """One file sm120patch changed: which patches, and the release's and the patched hashes."""
 
     patches: tuple[str, ...]
@@ -103,14 +101,13 @@ class LedgerFile:
     link: str | None = None  # the file was a symlink to this path before sm120patch replaced it
 
 
-@dataclass(frozen=True)
-class Ledger:
+class Ledger(NamedTuple):
     """What is applied to one install (``ledger.json``)."""
 
     distribution: str
     version: str
     dist_info: str
-    files: Mapping[str, LedgerFile] = field(default_factory=dict)
+    files: Mapping[str, LedgerFile] = MappingProxyType({})
     unpinned: bool = False  # applied by meaning to a release no patch set pins (--force)
     patch_set: str | None = None
 
@@ -149,8 +146,7 @@ class Ledger:
             ) from None
 
 
-@dataclass(frozen=True)
-class InstallState:
+class InstallState(NamedTuple):
     """sm120patch's state for one install (one ``.dist-info``)."""
 
     root: Path  # <state root>/<dist-info name>

@@ -25,14 +25,13 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import stat
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from sm120patch.errors import TransactionError
 from sm120patch.hashing import sha256
@@ -169,8 +168,7 @@ def someone_holds(site_dir: Path) -> bool:
 
 # -- changes ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Change:
+class Change(NamedTuple):
     """One journaled change.
 
     - ``write``: ``path`` gets ``data`` (mode and owner of the file it replaces, else ``owner``);
@@ -306,6 +304,8 @@ class Transaction:
             prune(root)
 
     def _cleanup(self) -> None:
+        import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+
         # Asides first, stash last: a run killed here leaves its stash/<run> directory, which
         # is how the next run finds (by the run id in their names) the asides still to delete.
         for entry in self.entries:
@@ -365,6 +365,8 @@ def aside_path(entry: Path, run: str) -> Path:
 def _stash(path: Path, stash: Path) -> None:
     """Keep ``path``'s current entry at ``stash``: a hard link (the same inode: no new space,
     the same mode and owner), else a copy (another file system)."""
+    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+
     try:
         os.link(path, stash, follow_symlinks=False)
     except OSError as exc:
@@ -388,6 +390,8 @@ def _stash(path: Path, stash: Path) -> None:
 def _place(source: Path, path: Path) -> None:
     """Put the file at ``source`` at ``path``, atomically: a hard link renamed over it (no new
     space), else a copy."""
+    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+
     tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
@@ -551,6 +555,8 @@ def _at_after(entry: dict) -> bool:
 
 
 def _drop_journals(journal: dict) -> None:
+    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+
     primary = Path(journal["_path"])
     primary.unlink(missing_ok=True)
     roots = [Path(r) for r in journal["roots"]]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, NamedTuple
 
 from packaging.version import Version
 
@@ -25,8 +25,7 @@ from sm120patch.patchsets import normalize_relpath
 from sm120patch.state import InstallState, Owner
 
 
-@dataclass(frozen=True)
-class FileRead:
+class FileRead(NamedTuple):
     """A tree's file as sm120patch found it."""
 
     relpath: str
@@ -97,15 +96,16 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-@dataclass
 class CheckoutTree:
     kind = "checkout"
 
-    root: Path
-    distribution: Distribution
-    raw_version: str
-    repo: object  # git.Repo
-    pristine: dict[str, str] = field(default_factory=dict)  # relpath -> the release's sha256, from the manifest
+    def __init__(self, root: Path, distribution: Distribution, raw_version: str, repo,
+                 pristine: Mapping[str, str] | None = None) -> None:
+        self.root = root
+        self.distribution = distribution
+        self.raw_version = raw_version
+        self.repo = repo  # git.Repo
+        self.pristine = dict(pristine or {})  # relpath -> the release's sha256, from the manifest
 
     @property
     def version(self) -> Version | None:
