@@ -35,46 +35,6 @@ FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
 COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {}}
 
 
-def record_rows(data: bytes, files=(), suffixes=()) -> dict[str, RecordEntry]:
-    """The rows of a RECORD (CSV: path,hash,size) for ``files`` and for paths ending in one of
-    ``suffixes``. FlashInfer's RECORD has 2,000 rows and sm120patch needs a handful: each wanted
-    path is looked up where a row can start (bare, or quoted as the csv module quotes), and only
-    a suffix (a companion's .so) makes it read every row."""
-    lines = []
-    for path in files:
-        for field in (path, '"' + path.replace('"', '""') + '"'):
-            needle = field.encode("utf-8") + b","
-            if data.startswith(needle):
-                start = 0
-            else:
-                start = data.find(b"\n" + needle) + 1
-                if not start:  # find gave -1
-                    continue
-            end = data.find(b"\n", start)
-            lines.append(data[start:] if end == -1 else data[start:end])
-            break
-    if suffixes:
-        lines += data.splitlines()
-    rows, suffixes, wanted = {}, tuple(suffixes), set(files)
-    for raw in lines:
-        try:
-            line = raw.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError:
-            continue
-        if '"' in line:  # a quoted path (it holds a comma or a quote): the csv module's rules
-            import csv
-
-            row = next(csv.reader([line]), [])
-        else:
-            row = line.split(",")
-        if not row or not (row[0] in wanted or (suffixes and row[0].endswith(suffixes))):
-            continue
-        path, hash_value, size = (row + ["", ""])[:3]
-        rows[path] = RecordEntry(path=path, sha256=parse_record_hash(hash_value) if hash_value else None,
-                                 size=int(size) if size.isdigit() else None)
-    return rows
-
-
 def parse_version(raw: str) -> Version | None:
     """A PEP 440 version, or None for a string that is not one (a fork's own scheme)."""
     try:
@@ -106,6 +66,46 @@ class RecordEntry(NamedTuple):
     path: str
     sha256: str | None
     size: int | None
+
+
+def record_rows(data: bytes, files=(), suffixes=()) -> dict[str, RecordEntry]:
+    """The rows of a RECORD (CSV: path,hash,size) for ``files`` and for paths ending in one of
+    ``suffixes``. FlashInfer's RECORD has 2,000 rows and sm120patch needs a handful: each wanted
+    path is looked up where a row can start (bare, or quoted as the csv module quotes), and only
+    a suffix (a companion's .so) makes it read every row."""
+    lines = []
+    for path in files:
+        for written in (path, '"' + path.replace('"', '""') + '"'):
+            needle = written.encode("utf-8") + b","
+            if data.startswith(needle):
+                start = 0
+            else:
+                start = data.find(b"\n" + needle) + 1
+                if not start:  # find gave -1
+                    continue
+            end = data.find(b"\n", start)
+            lines.append(data[start:] if end == -1 else data[start:end])
+            break
+    if suffixes:
+        lines += data.splitlines()
+    rows, suffixes, wanted = {}, tuple(suffixes), set(files)
+    for raw in lines:
+        try:
+            line = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError:
+            continue
+        if '"' in line:  # a quoted path (it holds a comma or a quote): the csv module's rules
+            import csv
+
+            row = next(csv.reader([line]), [])
+        else:
+            row = line.split(",")
+        if not row or not (row[0] in wanted or (suffixes and row[0].endswith(suffixes))):
+            continue
+        path, hash_value, size = (row + ["", ""])[:3]
+        rows[path] = RecordEntry(path=path, sha256=parse_record_hash(hash_value) if hash_value else None,
+                                 size=int(size) if size.isdigit() else None)
+    return rows
 
 
 class InstalledDistribution(NamedTuple):
