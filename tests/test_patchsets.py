@@ -149,6 +149,8 @@ def test_status_reads_only_the_set_named_for_the_installed_release(tmp_path):
         (DISTRIBUTION + '[[advice]]\nversions = "~"\nlevel = "info"\ntext = "t"\n', "not a version specifier"),
         (DISTRIBUTION + '[verify]\nspec = "x"\n', "unknown verify key"),
         (DISTRIBUTION + '[checkout]\nlayout = [["a"]]\n', "checkout.layout"),
+        (DISTRIBUTION + '[[advice]]\nlevel = "info"\ntext = "t"\nwhen_applied = ["jit-gate", "nope"]\n',
+         "advice #1 names no patch of flashinfer-python: nope"),
     ],
 )
 def test_malformed_distribution_data_is_a_clear_error(tmp_path, text, message):

@@ -11,7 +11,7 @@ a :class:`Distribution`, never compares a distribution's name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -92,9 +92,10 @@ class PatchSets:
     (:meth:`all` checks it), so the set for a release can only be the last file named at or
     below it."""
 
-    __slots__ = ("_distribution", "_named", "_check_rewriters", "_read", "_all")
+    __slots__ = ("_distribution", "_named", "_check_rewriters", "_advice", "_read", "_all")
 
-    def __init__(self, distribution: str, directory: Path, *, check_rewriters: bool = True) -> None:
+    def __init__(self, distribution: str, directory: Path, *, check_rewriters: bool = True,
+                 advice: Sequence[Advice] = ()) -> None:
         named = []
         for path in directory.glob("*.toml"):
             if path.name != "distribution.toml":
@@ -109,6 +110,7 @@ class PatchSets:
             if first == second:
                 raise PatchDataError(f"{distribution}/{a.name} and {b.name} are named after one release")
         self._distribution, self._named, self._check_rewriters = distribution, named, check_rewriters
+        self._advice = advice  # the patch ids it names must exist in some set
         self._read: dict[Path, PatchSet] = {}
         self._all: tuple[PatchSet, ...] | None = None
 
@@ -126,7 +128,8 @@ class PatchSets:
         return patch_set if any(str(version) == str(pinned) for pinned in patch_set.versions) else None
 
     def all(self) -> tuple[PatchSet, ...]:
-        """Every set, in release order, each checked against the naming rule and the others' pins."""
+        """Every set, in release order, each checked against the naming rule and the others' pins,
+        and every patch id the distribution's advice names found in one of them."""
         if self._all is None:
             sets = tuple(self._parse(path) for _, path in self._named)
             seen: dict[str, PatchSet] = {}
@@ -145,6 +148,12 @@ class PatchSets:
                 if following is not None and max(patch_set.versions) >= following:
                     raise PatchDataError(f"{patch_set.name}: pins {max(patch_set.versions)}, at or past the next set "
                                          f"({following}.toml)")
+            ids = {p.id for patch_set in sets for p in patch_set.patches}
+            for index, item in enumerate(self._advice):
+                unknown_ids = sorted(set(item.when_applied + item.unless_applied) - ids)
+                if unknown_ids:
+                    raise PatchDataError(f"{self._distribution}/distribution.toml: advice #{index + 1} names no patch "
+                                         f"of {self._distribution}: {', '.join(unknown_ids)}")
             self._all = sets
         return self._all
 
@@ -288,9 +297,9 @@ def _specifier(value: str, where: str) -> SpecifierSet:
 
 
 def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
-    """``full``: read and check every patch set now (each rewriter constructed, pins across
-    sets, the patch ids advice names). Without it (``status``) a set is read when first needed,
-    and its rewriters are not constructed (status never runs one)."""
+    """``full``: read and check every patch set now (each rewriter constructed; pins across
+    sets and the patch ids advice names: :meth:`PatchSets.all`). Without it (``status``) a set
+    is read when first needed, and its rewriters are not constructed (status never runs one)."""
     where = f"{directory.name}/distribution.toml"
     doc = read_toml(directory / "distribution.toml", where)
     from sm120patch.environment import normalize_name
@@ -330,13 +339,9 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
     fixed_in = _optional_str(doc, "fixed_in", where)
-    sets = PatchSets(name, directory, check_rewriters=full)
+    sets = PatchSets(name, directory, check_rewriters=full, advice=advice)
     if full:
-        ids = {p.id for patch_set in sets.all() for p in patch_set.patches}
-        for index, item in enumerate(advice):
-            unknown_ids = sorted(set(item.when_applied + item.unless_applied) - ids)
-            if unknown_ids:
-                raise PatchDataError(f"{where}: advice #{index + 1} names no patch of {name}: {', '.join(unknown_ids)}")
+        sets.all()
     return Distribution(
         name=name, option=doc["option"], summary=doc["summary"], sets=sets,
         fixed_in=parse_version(fixed_in, where) if fixed_in else None,
