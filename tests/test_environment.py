@@ -47,6 +47,11 @@ def test_probe_reports_the_target_interpreter_and_its_distributions(serving_env)
     assert tree.state.root == serving_env.site_packages / ".sm120patch" / flashinfer.dist_info.name
 
 
+def test_a_distribution_asked_for_in_any_spelling_is_found_under_its_normalized_name(serving_env):
+    env = start_probe(serving_env.python, ["FlashInfer_Python", "SGLang"]).result()
+    assert env.get("flashinfer-python").raw_version == "0.6.4" and env.get("sglang") is not None
+
+
 def test_a_relative_python_path_is_the_venv_not_its_base_interpreter(serving_env, monkeypatch):
     monkeypatch.chdir(serving_env.root)
     env = probe("bin/python")

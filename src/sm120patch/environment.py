@@ -250,7 +250,8 @@ def start_probe(python: str | os.PathLike | None, names) -> Probe:
         executable = resolve_python(python) if python is not None else sys.executable
     except TargetError as exc:
         return Probe(os.fspath(python), error=exc)
-    request = list(dict.fromkeys([*COMPANIONS, *names]))
+    # Normalized: the probe's answer is keyed by the names asked, and sm120patch looks them up so.
+    request = list(dict.fromkeys(normalize_name(name) for name in [*COMPANIONS, *names]))
     try:
         process = subprocess.Popen(
             [executable, "-c", _probe_source(), *request],

@@ -37,6 +37,9 @@ from sm120patch.errors import TransactionError
 from sm120patch.hashing import sha256
 from sm120patch.state import Owner, ensure_dir, state_root
 
+# shutil is imported inside the functions that copy or remove: `status` imports this module
+# (to read the journal), and shutil's own imports (the archive modules) would cost it 3 ms.
+
 JOURNAL_FORMAT = 2
 LOCK_TIMEOUT_S = 10.0
 REVERT_FORCE = "sm120patch revert --force"  # callers name the target: revert_command="... --python P"
@@ -304,7 +307,7 @@ class Transaction:
             prune(root)
 
     def _cleanup(self) -> None:
-        import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+        import shutil
 
         # Asides first, stash last: a run killed here leaves its stash/<run> directory, which
         # is how the next run finds (by the run id in their names) the asides still to delete.
@@ -365,7 +368,7 @@ def aside_path(entry: Path, run: str) -> Path:
 def _stash(path: Path, stash: Path) -> None:
     """Keep ``path``'s current entry at ``stash``: a hard link (the same inode: no new space,
     the same mode and owner), else a copy (another file system)."""
-    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+    import shutil
 
     try:
         os.link(path, stash, follow_symlinks=False)
@@ -390,7 +393,7 @@ def _stash(path: Path, stash: Path) -> None:
 def _place(source: Path, path: Path) -> None:
     """Put the file at ``source`` at ``path``, atomically: a hard link renamed over it (no new
     space), else a copy."""
-    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+    import shutil
 
     tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
@@ -555,7 +558,7 @@ def _at_after(entry: dict) -> bool:
 
 
 def _drop_journals(journal: dict) -> None:
-    import shutil  # not at the top: `status` imports this module, and shutil costs it 3 ms
+    import shutil
 
     primary = Path(journal["_path"])
     primary.unlink(missing_ok=True)
