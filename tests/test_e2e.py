@@ -47,7 +47,7 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     before = snapshot(serving_env)
     applied = sm120patch("apply", "--flashinfer", "0.6.4", "--sglang", "0.5.9")
     assert applied.exit_code == 0, applied.output
-    assert "flashinfer-python 0.6.4: patched 3 files" in applied.output
+    assert "flashinfer-python 0.6.4: patched 4 files" in applied.output
     assert "sglang 0.5.9: patched 1 file\n" in applied.output
     # What changed is exactly the four files it names, and sm120patch's own state beside them.
     site = str(serving_env.site_packages)
@@ -232,7 +232,7 @@ def test_reinstall_that_dropped_the_patches_is_reported(sm120patch, serving_env,
     )
     status = sm120patch("status")
     assert status.exit_code == ExitCode.NOT_OK
-    assert "jit-gate, pdl-gates, lamport-stride had been applied; the files are the release's again " \
+    assert "jit-gate, pdl-gates, lamport-stride, unicast-workspace had been applied; the files are the release's again " \
            "(the package was reinstalled)" in status.output
     assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
     assert sm120patch("revert").exit_code == 0

@@ -40,7 +40,7 @@ def test_probe_reports_the_target_interpreter_and_its_distributions(serving_env)
     assert flashinfer.dist_info == serving_env.dist_info("flashinfer_python")
     assert flashinfer.installer == "pip"
     # Only the rows the patch sets need come back (FlashInfer's RECORD has about 2,000).
-    assert COMM in flashinfer.record and len(flashinfer.record) == 3
+    assert COMM in flashinfer.record and len(flashinfer.record) == 4
     assert env.get("sglang").pinned_version_of("flashinfer-python") == "0.6.3"
     assert env.get("flashinfer-jit-cache") is None
     tree = InstalledTree(env, flashinfer, REGISTRY.get("flashinfer-python"))

@@ -90,11 +90,11 @@ def write_data_dir(tmp_path: Path, toml_text: str) -> Path:
     data = tmp_path / "data"
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
     shutil.copytree(ROOT / "patches", data / "patches")
-    (data / "patches" / "flashinfer-python" / "0.5.0.toml").write_text(toml_text)
+    (data / "patches" / "flashinfer-python" / "0.6.0.toml").write_text(toml_text)
     return data
 
 
-SET = ROOT / "patches" / "flashinfer-python" / "0.5.0.toml"
+SET = ROOT / "patches" / "flashinfer-python" / "0.6.0.toml"
 
 
 @pytest.mark.parametrize("mangle, message", [

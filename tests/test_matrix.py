@@ -106,7 +106,7 @@ def test_a_local_build_with_an_unknown_version(fresh_env, wheel_cache):
 
     forced = session("apply", "--force")
     assert forced.exit_code == 0, forced.output
-    assert "applied flashinfer-python/0.5.0.toml by meaning (--force), recorded as unpinned" in forced.output
+    assert "applied flashinfer-python/0.6.15.toml by meaning (--force), recorded as unpinned" in forced.output
     assert "+        supported_major_versions=[9, 10, 12]" in forced.output
     status = session("status")
     assert "unpinned: no patch set pins 0.6.16.post4+local" in status.output

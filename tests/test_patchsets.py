@@ -40,8 +40,10 @@ def test_shipped_patch_sets_pin_the_core_releases():
     registry = load_registry()
     flashinfer = registry.get("flashinfer-python").find(Version("0.6.4"))
     sglang = registry.get("sglang").find(Version("0.5.9"))
-    assert [p.id for p in flashinfer.patches] == ["jit-gate", "pdl-gates", "lamport-stride"]
-    assert all(p.required and p.fixed_in == "0.6.17" and "3903" in p.upstream for p in flashinfer.patches)
+    assert [p.id for p in flashinfer.patches] == ["jit-gate", "pdl-gates", "lamport-stride", "unicast-workspace"]
+    assert all(p.required and p.fixed_in == "0.6.17" and "3903" in p.upstream for p in flashinfer.patches[:3])
+    unicast = flashinfer.patch("unicast-workspace")
+    assert unicast.required and unicast.fixed_in == "0.6.15" and "3745" in unicast.upstream
     assert flashinfer.patch("pdl-gates").edits[0].sites == 13
     assert [(p.id, p.required) for p in sglang.patches] == [
         ("fusion-gate", True), ("auto-enable", False), ("symm-mem", False)

@@ -241,3 +241,71 @@ def test_fusion_gate_edits_on_the_real_communicator(sglang_wheel):
     text = source.decode()
     assert "    is_sm100_supported,\n    is_sm120_supported,\n)" in text
     assert "(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)" in text
+
+
+REPLACE = dict(
+    function="setup",
+    old="# probe\nok = probe( device )\nif not ok:\n    raise RuntimeError('no')\n",
+    new="if wanted:\n    ok = probe(device)\n    if not ok:\n        raise RuntimeError(\"no\")\n",
+)
+REPLACE_BEFORE = b'''def setup(device, wanted):
+    x = 1
+
+    # probe
+    ok = probe(device)
+    if not ok:
+        raise RuntimeError("no")
+    return x
+
+
+def other(device):
+    ok = probe(device)
+    if not ok:
+        raise RuntimeError("no")
+'''
+REPLACE_AFTER = b'''def setup(device, wanted):
+    x = 1
+
+    # probe
+    if wanted:
+        ok = probe(device)
+        if not ok:
+            raise RuntimeError("no")
+    return x
+
+
+def other(device):
+    ok = probe(device)
+    if not ok:
+        raise RuntimeError("no")
+'''
+
+
+def test_replace_statements_matches_by_meaning_inside_the_named_function_only():
+    """Layout, quotes and comments do not matter for the match; the same statements in another function
+    are not a site; the blank line and comment above the run stay."""
+    rewriter = create("python.replace-statements", REPLACE)
+    result = rewriter.rewrite(REPLACE_BEFORE, sites=1)
+    assert result == Changed(REPLACE_AFTER, 1)
+    # The old statements reappear inside the new ones: that is the applied form, not a site.
+    assert rewriter.rewrite(REPLACE_AFTER, sites=1) == AlreadyApplied(1)
+
+
+def test_replace_statements_new_comments_replace_the_old_ones():
+    params = dict(REPLACE, new="# only when asked (upstream's fix)\n" + REPLACE["new"])
+    result = create("python.replace-statements", params).rewrite(REPLACE_BEFORE, sites=1)
+    assert b"\n    x = 1\n\n    # only when asked (upstream's fix)\n    if wanted:\n" in result.data
+    assert b"# probe" not in result.data
+
+
+def test_replace_statements_refuses_another_count():
+    twice = REPLACE_BEFORE.replace(b"    return x\n", b'    ok = probe(device)\n    if not ok:\n        raise RuntimeError("no")\n    return x\n')
+    result = create("python.replace-statements", REPLACE).rewrite(twice, sites=1)
+    assert isinstance(result, NoMatch) and "found 2 to patch" in result.reason
+
+
+def test_replace_statements_needs_statements():
+    with pytest.raises(PatchDataError, match="holds no statement"):
+        create("python.replace-statements", dict(REPLACE, new="# nothing\n"))
+    with pytest.raises(PatchDataError, match="not Python statements"):
+        create("python.replace-statements", dict(REPLACE, old="if (:\n"))

@@ -16,7 +16,8 @@ from sm120patch.cli import cli
 from sm120patch.errors import ExitCode
 from sm120patch.wheels import fetch_wheel
 
-FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/jit/comm.py", "include/flashinfer/comm/trtllm_allreduce.cuh"]
+FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py", "flashinfer/jit/comm.py",
+                    "include/flashinfer/comm/trtllm_allreduce.cuh"]
 
 
 def run(*args):
@@ -84,11 +85,11 @@ def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_r
     root = flashinfer_repo.working_tree_dir
     base = flashinfer_repo.head.commit.hexsha
     before = run("status", "--source", root)
-    assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 3
+    assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 4
 
     result = run("apply", "--source", root)
     assert result.exit_code == 0, result.output
-    assert "on sm120patch/flashinfer-python-0.6.4 (3 files)" in result.output
+    assert "on sm120patch/flashinfer-python-0.6.4 (4 files)" in result.output
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
     head = flashinfer_repo.head.commit
     assert [p.hexsha for p in head.parents] == [base]
@@ -101,7 +102,7 @@ def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_r
     assert not flashinfer_repo.is_dirty(untracked_files=True)
 
     after = run("status", "--source", root)
-    assert after.exit_code == 0 and after.output.count("in HEAD") == 3 and "not in HEAD" not in after.output
+    assert after.exit_code == 0 and after.output.count("in HEAD") == 4 and "not in HEAD" not in after.output
 
 
 def test_exported_patch_applies_with_git_am_on_a_fresh_copy(flashinfer_repo, tmp_path):
@@ -127,7 +128,7 @@ def test_revert_returns_to_the_original_branch(flashinfer_repo):
     assert result.exit_code == 0, result.output
     assert flashinfer_repo.active_branch.name == "main"
     assert "sm120patch/flashinfer-python-0.6.4" not in flashinfer_repo.heads
-    assert run("status", "--source", root).output.count("not in HEAD") == 3
+    assert run("status", "--source", root).output.count("not in HEAD") == 4
 
 
 def test_revert_keeps_a_branch_someone_committed_to(flashinfer_repo):

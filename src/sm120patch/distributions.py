@@ -59,6 +59,25 @@ class NothingToPatch(NamedTuple):
         return self.reason.replace("{version}", raw_version)
 
 
+class FusionPath(NamedTuple):
+    """How the server creates FlashInfer's fusion workspace for the releases ``versions`` (with a
+    release of the distribution's ``fusion_with`` in ``with_``), and what it does on a GPU
+    without multicast (a PCIe box):
+    it enters fusion once every patch in ``needs`` (``distribution:id``) is applied; without
+    them it does ``without``."""
+
+    versions: SpecifierSet
+    with_: SpecifierSet
+    path: str
+    needs: tuple[tuple[str, str], ...] = ()
+    without: str = ""
+
+    def matches(self, version: Version | None, with_version: Version | None) -> bool:
+        return (version is not None and self.versions.contains(version, prereleases=True)
+                and (not str(self.with_) or (with_version is not None
+                                             and self.with_.contains(with_version, prereleases=True))))
+
+
 class CheckoutLayout(NamedTuple):
     """How a git checkout of the project maps the wheel's paths (RECORD paths) to its own."""
 
@@ -171,6 +190,8 @@ class Distribution(NamedTuple):
     pins: str | None = None  # a distribution whose exact pin status compares with what is installed
     advice: tuple[Advice, ...] = ()
     nothing_to_patch: tuple[NothingToPatch, ...] = ()
+    fusion_paths: tuple[FusionPath, ...] = ()
+    fusion_with: str | None = None  # the distribution whose release fusion_paths also depend on
     checkout: CheckoutLayout | None = None
     verify: VerifySpec = VerifySpec()
     directory: Path = Path(".")
@@ -216,6 +237,11 @@ class Distribution(NamedTuple):
         if version is None:
             return None
         return next((n for n in self.nothing_to_patch if n.versions.contains(version, prereleases=True)), None)
+
+    def fusion_path(self, version: Version | None, with_version: Version | None) -> FusionPath | None:
+        """The workspace path this release takes with that release of ``fusion_with`` (the first
+        row that matches)."""
+        return next((row for row in self.fusion_paths if row.matches(version, with_version)), None)
 
     def fixed_upstream(self, version: Version | None) -> bool:
         return version is not None and self.fixed_in is not None and version >= self.fixed_in
@@ -322,6 +348,21 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{nwhere}: needs versions (a version specifier) and reason")
         nothing.append(NothingToPatch(_specifier(raw["versions"], nwhere), raw["reason"]))
+    paths = []
+    for index, raw in enumerate(doc.get("fusion_path", [])):
+        fwhere = f"{where}: fusion_path #{index + 1}"
+        if not all(isinstance(raw.get(key), str) for key in ("versions", "with", "path")):
+            raise PatchDataError(f"{fwhere}: needs versions and with (version specifiers) and path")
+        needs = []
+        for item in _str_list(raw, "needs", fwhere):
+            owner, _, patch_id = item.partition(":")
+            if not owner or not patch_id:
+                raise PatchDataError(f"{fwhere}: needs names distribution:patch-id, not {item!r}")
+            needs.append((owner, patch_id))
+        if needs and not isinstance(raw.get("without"), str):
+            raise PatchDataError(f"{fwhere}: a path that needs patches says what happens without them (without)")
+        paths.append(FusionPath(_specifier(raw["versions"], fwhere), _specifier(raw["with"], fwhere), raw["path"],
+                                tuple(needs), raw.get("without", "")))
     checkout = None
     if "checkout" in doc:
         raw = doc["checkout"]
@@ -346,7 +387,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
-        checkout=checkout, verify=verify,
+        fusion_paths=tuple(paths), fusion_with=_optional_str(doc, "fusion_with", where), checkout=checkout, verify=verify,
         directory=directory,
     )
 
@@ -374,5 +415,14 @@ def load_registry(directory: Path | None = None, *, full: bool = True) -> Regist
     options = [d.option for d in distributions]
     if len(set(options)) != len(options):
         raise PatchDataError(f"two distributions share one selector: {options}")
-    return Registry(distributions)
+    registry = Registry(distributions)
+    if full:
+        ids = {d.name: {p.id for ps in d.patch_sets for p in ps.patches} for d in distributions}
+        for d in distributions:
+            for index, row in enumerate(d.fusion_paths):
+                unknown = [f"{owner}:{patch_id}" for owner, patch_id in row.needs if patch_id not in ids.get(owner, ())]
+                if unknown:
+                    raise PatchDataError(f"{d.name}/distribution.toml: fusion_path #{index + 1} needs no known patch "
+                                         f"{', '.join(unknown)}")
+    return registry
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from packaging.version import Version
 
+from sm120patch import driver
 from sm120patch.pipeline import StatusReport
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -108,6 +109,7 @@ class DoctorReport:
     gpus: list[Gpu] = field(default_factory=list)
     topology: Topology | None = None
     findings: list[Finding] = field(default_factory=list)
+    driver: driver.DriverFacts | None = None
 
     def add(self, level: str, text: str) -> None:
         self.findings.append(Finding(level, text))
@@ -155,6 +157,7 @@ def examine_machine(report: DoctorReport) -> None:
                 report.add("warn", PCIE_WARNING)
             else:
                 report.add("ok", f"NVLink between {len(topo.nvlink_pairs) // 2} GPU pair(s)")
+    examine_driver(report, driver.query())
     nvcc = _run(["nvcc", "--version"])
     version = parse_nvcc_version(nvcc) if nvcc else None
     if version is None:
@@ -169,6 +172,30 @@ def examine_machine(report: DoctorReport) -> None:
             report.add("ok", f"CUDA toolkit {version} (nvcc): enough for sm_120a and 120f")
 
 
+def examine_driver(report: DoctorReport, facts: driver.DriverFacts) -> None:
+    """What the fusion workspaces depend on, as the driver answers its queries (multicast
+    support, peer access); never a multicast call."""
+    report.driver = facts
+    if not facts.devices:
+        report.add("info", f"{facts.error}: multicast support and peer access not read (the fusion paths below "
+                           "are for a GPU without multicast, as on PCIe SM120 boxes)")
+        return
+    multicast = [d.index for d in facts.devices if d.multicast]
+    if facts.multicast:
+        report.add("info", f"every GPU reports multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 1: an NVSwitch box)")
+    else:
+        report.add("info", "GPUs without multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
+                           + (f"; GPU {', '.join(map(str, multicast))} report 1" if multicast else "")
+                           + "): the fusion workspace must be unicast (see the fusion lines below)")
+    if facts.peers_ok is False:
+        missing = sorted(f"GPU{i}->GPU{j}" for (i, j), ok in facts.peer_access.items() if not ok)
+        report.add("warn", f"no peer-to-peer access {', '.join(missing)}: every fusion workspace maps the other GPUs' "
+                           "memory (IPC or symmetric memory), so fusion cannot run across those pairs; check "
+                           "`nvidia-smi topo -p2p r` and the BIOS's ACS/IOMMU settings")
+    elif facts.peers_ok:
+        report.add("ok", f"peer-to-peer access between every pair of the {len(facts.devices)} GPUs")
+
+
 def examine_environment(report: DoctorReport, status: StatusReport) -> None:
     for item in status.trees:
         a, distribution = item.assessment, item.distribution
@@ -181,6 +208,10 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
             report.add(advice.level, advice.render(a.raw_version))
         if item.pin:
             report.add("info", item.pin)
+        if item.fusion is not None:
+            multicast = report.driver.multicast if report.driver is not None else None
+            report.add("warn" if item.fusion.enters is False and multicast is not True else "info",
+                       "fusion: " + item.fusion.render(multicast=multicast))
         if item.jit is not None:
             for entry in item.jit.stale:
                 report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")
@@ -198,8 +229,17 @@ def render(report: DoctorReport) -> str:
 
 
 def to_json(report: DoctorReport) -> dict:
+    facts = report.driver
     return {
         "gpus": [g.__dict__ for g in report.gpus],
+        "driver": None if facts is None else {
+            "error": facts.error,
+            "version": facts.version_text,
+            "devices": [{"index": d.index, "name": d.name, "capability": d.sm, "multicast": d.multicast,
+                         "posix_fd_handles": d.posix_fd_handles, "fabric_handles": d.fabric_handles}
+                        for d in facts.devices],
+            "peer_access": {f"{i}-{j}": ok for (i, j), ok in facts.peer_access.items()},
+        },
         "topology": None if report.topology is None else {
             "gpus": report.topology.gpus,
             "pcie_only": report.topology.pcie_only,

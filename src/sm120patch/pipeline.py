@@ -33,6 +33,7 @@ from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
 if TYPE_CHECKING:  # planning and git commits are imported by the commands that change things, not by status
     from sm120patch.checkout import Commit, Undo
     from sm120patch.plan import Plan, ReleaseBytes
+    from sm120patch.fusionpath import FusionVerdict
 
 
 
@@ -198,6 +199,7 @@ class TreeStatus(NamedTuple):
     pin: str | None = None
     jit: JitStatus | None = None
     routed_from: Path | None = None  # an editable install, shown as its checkout
+    fusion: "FusionVerdict | None" = None  # past the gate, on a GPU without multicast
 
     @property
     def tree(self):
@@ -251,8 +253,28 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
         trees.append(TreeStatus(a, pending, blocks, by_meaning=by_meaning, pin=pin, jit=jit,
                                 advice=tree.distribution.advice_for(tree.version, a.applied_ids),
                                 routed_from=routed.get(tree.distribution.name)))
+    trees = _fusion_verdicts(trees, located)
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
                         registry_names=registry.names)
+
+
+def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStatus]:
+    """Each server's path past the gate, judged with the patches applied to it and to the
+    distribution it fuses with (when that one is assessed in this run too)."""
+    from sm120patch.fusionpath import judge
+
+    if located.env is None:
+        return trees
+    applied = {t.distribution.name: t.assessment.applied_ids for t in trees}
+    judged = []
+    for item in trees:
+        d = item.distribution
+        if d.fusion_paths and d.fusion_with:
+            other = located.env.get(d.fusion_with)
+            with_installed = None if other is None else (other.raw_version, other.version)
+            item = item._replace(fusion=judge(d, item.assessment.raw_version, item.tree.version, with_installed, applied))
+        judged.append(item)
+    return judged
 
 
 def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_command: str) -> tuple[str | None, bool]:

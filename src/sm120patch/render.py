@@ -99,6 +99,9 @@ def render_status(report: StatusReport) -> str:
             lines.append(f"  {'!' if advice.level == 'warn' else 'note:'} {advice.render(a.raw_version)}")
         if item.pin:
             lines.append(f"  note: {item.pin} (sm120patch patches each as installed)")
+        if item.fusion is not None:
+            mark = {True: "fusion:", False: "! fusion:", None: "fusion:"}[item.fusion.enters]
+            lines.append(f"  {mark} {item.fusion.render()}")
         if isinstance(tree, CheckoutTree):
             from sm120patch.checkout import read_note
 
@@ -161,6 +164,14 @@ def status_json(report: StatusReport) -> dict:
             "unpinned": bool(a.unpinned or (a.ledger and a.ledger.unpinned)),
             "pin_mismatch": item.pin,
             "advice": [{"level": x.level, "text": x.render(a.raw_version)} for x in item.advice],
+            "fusion_without_multicast": None if item.fusion is None else {
+                "enters": item.fusion.enters,
+                "with": item.fusion.with_,
+                "path": item.fusion.path.path if item.fusion.path else None,
+                "missing": list(item.fusion.missing),
+                "unknown": list(item.fusion.unknown),
+                "text": item.fusion.render(),
+            },
             "patches": [],
             "jit_cache": None if item.jit is None else {
                 "base": str(item.jit.base.path),

@@ -97,6 +97,56 @@ def auto_enable(text: str) -> tuple[bool, str]:
     return False, "no auto-enable condition found"
 
 
+def _guarded(scope: ast.AST, names: tuple[str, ...], guard: str) -> tuple[int, int]:
+    """(guarded, unguarded): the uses of ``names`` (attributes or plain names) in ``scope``, by
+    whether an enclosing ``if`` tests something named like ``guard``."""
+    counts = [0, 0]
+
+    def walk(node: ast.AST, guarded: bool) -> None:
+        if isinstance(node, ast.If):
+            tested = guarded or any(guard in n.id if isinstance(n, ast.Name) else guard in n.attr
+                                    for n in ast.walk(node.test) if isinstance(n, (ast.Name, ast.Attribute)))
+            walk(node.test, guarded)
+            for child in node.body:
+                walk(child, tested)
+            for child in node.orelse:
+                walk(child, guarded)
+            return
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in names:
+            counts[0 if guarded else 1] += 1
+        for child in ast.iter_child_nodes(node):
+            walk(child, guarded)
+
+    walk(scope, False)
+    return counts[0], counts[1]
+
+
+@check("unicast-workspace")
+def unicast_workspace(text: str) -> tuple[bool, str]:
+    """FlashInfer's SymmDeviceMemory queries multicast support and its granularity only when the
+    caller asks for multicast (upstream's form from 0.6.15 passes too)."""
+    classes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == "SymmDeviceMemory"]
+    if not classes:
+        return False, "no SymmDeviceMemory class"
+    guarded, unguarded = _guarded(classes[0], ("CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED", "cuMulticastGetGranularity"),
+                                  "enable_multicast")
+    return unguarded == 0 and guarded > 0, (f"SymmDeviceMemory: {unguarded} multicast query(ies) made whatever the "
+                                            f"caller asks, {guarded} only when it asks for multicast")
+
+
+@check("preflight-unicast")
+def preflight_unicast(text: str) -> tuple[bool, str]:
+    """SGLang's workspace preflight asks for the multicast granularity only where the device
+    reports multicast."""
+    functions = _functions(ast.parse(text), "_flashinfer_trtllm_workspace_allocation_sizes")
+    if not functions:
+        return False, "no _flashinfer_trtllm_workspace_allocation_sizes (the workspace preflight)"
+    guarded, unguarded = _guarded(functions[0], ("cuMulticastGetGranularity",), "multicast_supported")
+    return unguarded == 0 and guarded > 0, (f"preflight: cuMulticastGetGranularity asked {unguarded} time(s) on any "
+                                            f"GPU, {guarded} only where the GPU reports multicast")
+
+
 def _module_dicts(tree: ast.Module) -> dict[str, list]:
     """Module-level dict literals (``NAME = {...}``, annotated or not): name -> literal keys, in
     the module's order, the first binding of each name."""

@@ -3,6 +3,9 @@ formatting they do not need to touch."""
 
 from __future__ import annotations
 
+import ast
+import textwrap
+
 import libcst as cst
 
 from sm120patch.errors import PatchDataError
@@ -368,5 +371,99 @@ class WidenAndOperand(LibcstRewriter):
                     )
                     return updated_node.with_changes(left=widened)
                 return updated_node
+
+        return Transformer(self.args["function"])
+
+
+def _statements(source: str) -> list[cst.BaseStatement]:
+    """The statements of ``source``; comments above the first one (libcst files them under the
+    module's header) stay with it."""
+    module = cst.parse_module(source)
+    body = list(module.body)
+    if body and module.header and hasattr(body[0], "leading_lines"):
+        body[0] = body[0].with_changes(leading_lines=(*module.header, *body[0].leading_lines))
+    return body
+
+
+def _bare(statement: cst.CSTNode) -> str:
+    """A statement by meaning: its syntax tree (``ast``), so neither layout, quotes nor comments
+    count."""
+    if hasattr(statement, "leading_lines"):
+        statement = statement.with_changes(leading_lines=())
+    return ast.dump(ast.parse(textwrap.dedent(_EMPTY.code_for_node(statement))))
+
+
+@register
+class ReplaceStatements(LibcstRewriter):
+    """Inside ``function``, every run of consecutive statements equal by meaning to ``old``
+    (one or more statements; comments do not count) becomes ``new``; the blank lines above the
+    run stay, and so do its comments unless ``new`` brings its own. For backports of
+    an upstream change that restructures a block (a check moved under an ``if``), where no
+    smaller edit says the same thing."""
+
+    name = "python.replace-statements"
+    description = "Replace a run of statements, matched by meaning inside one function, by the given ones."
+    params = {"function": str, "old": str, "new": str}
+
+    def validate(self) -> None:
+        for key in ("old", "new"):
+            try:
+                if not _statements(self.args[key]):
+                    raise PatchDataError(f"rewriter {self.name}: {key} holds no statement")
+            except cst.ParserSyntaxError:
+                raise PatchDataError(f"rewriter {self.name}: {key} is not Python statements") from None
+
+    def what(self) -> str:
+        first = next(line for line in self.args["old"].splitlines() if line.strip() and not line.lstrip().startswith("#"))
+        return f"the statements starting '{first}' in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        old = [_bare(s) for s in _statements(self.args["old"])]
+        new_statements = _statements(self.args["new"])
+        new = [_bare(s) for s in new_statements]
+
+        def runs(body: list, wanted: list[str]) -> list[int]:
+            codes = [_bare(s) for s in body]
+            return [i for i in range(len(body) - len(wanted) + 1) if codes[i:i + len(wanted)] == wanted]
+
+        class Transformer(_SiteTransformer):
+            # The old statements reappear inside the new ones (a check moved under an ``if``): a
+            # run inside an already-replaced run is part of it, not a site.
+            def __init__(self, function: str) -> None:
+                super().__init__(function)
+                self._ancestors: list[cst.CSTNode] = []
+                self._replaced: set[int] = set()
+
+            def on_visit(self, node: cst.CSTNode) -> bool:
+                self._ancestors.append(node)
+                if isinstance(node, cst.IndentedBlock) and self._functions and self._functions[-1] == self.function:
+                    starts = runs(list(node.body), new)
+                    self.applied += len(starts)
+                    self._replaced.update(id(s) for i in starts for s in node.body[i:i + len(new)])
+                return super().on_visit(node)
+
+            def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):
+                self._ancestors.pop()
+                return super().on_leave(original_node, updated_node)
+
+            def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock):
+                if not (self._functions and self._functions[-1] == self.function):
+                    return updated_node
+                if any(id(node) in self._replaced for node in self._ancestors):
+                    return updated_node
+                body = list(updated_node.body)
+                starts = runs(body, old)
+                self.found += len(starts)
+                for start in reversed(starts):
+                    first = new_statements[0]
+                    if hasattr(body[start], "leading_lines") and hasattr(first, "leading_lines"):
+                        # The blank lines above the run stay; its comments give way to the new
+                        # text's own, when it has some (they describe the old code).
+                        kept = body[start].leading_lines
+                        if first.leading_lines:
+                            kept = tuple(line for line in kept if line.comment is None) + tuple(first.leading_lines)
+                        first = first.with_changes(leading_lines=kept)
+                    body[start:start + len(old)] = [first, *new_statements[1:]]
+                return updated_node.with_changes(body=body)
 
         return Transformer(self.args["function"])

@@ -1,0 +1,188 @@
+"""Past the gate, on the box our users have: the server's own workspace code, run to its decision
+under a stand-in driver that answers as a PCIe SM120 GPU does (tests/standin_driver.py:
+capability 12.0, no multicast, cuMulticast* -> CUDA_ERROR_NOT_SUPPORTED, unicast cuMem*
+succeeding), pristine and patched. The code is the real wheels' (FlashInfer installed in the
+runtime environment and patched by `sm120patch apply`; SGLang's preflight functions read from
+its wheel and run as they are). docs/fusion-paths.md has the map these tests pin down."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from helpers import Session, need
+from sm120patch.distributions import load_registry
+from sm120patch.manifests import apply_edits
+from sm120patch.wheels import fetch_wheel
+
+TESTS = Path(__file__).parent
+STANDIN = TESTS / "standin_driver.py"
+PREFLIGHT = "sglang/srt/layers/flashinfer_comm_fusion.py"
+# The functions of SGLang's preflight (0.5.11+), in the order they call each other.
+PREFLIGHT_FUNCTIONS = ("_make_flashinfer_workspace_allocation_prop", "_flashinfer_trtllm_workspace_allocation_sizes",
+                       "_probe_cumem_create_sequence", "_preflight_check_workspace_memory")
+
+
+@pytest.fixture(scope="session")
+def fusion_env(runtime_env):
+    """The runtime environment (torch CPU, the real flashinfer-python 0.6.4) with the CUDA driver
+    binding FlashInfer's comm package imports (cuda-python; it loads no driver until called)."""
+    roots = [os.environ.get("CUDA_HOME") or "/usr/local/cuda", "/usr/local/cuda"]
+    need(any(list(Path(root, "lib64").glob("libcudart.so*")) for root in roots),
+         "needs the CUDA toolkit's libcudart (FlashInfer's comm package looks for it among loaded libraries)")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(runtime_env.python), "install", "--quiet",
+                    "--disable-pip-version-check", "cuda-python>=12.9"], check=True)
+    return runtime_env
+
+
+def run_standin(env, script: str, *args: str) -> dict:
+    """Run ``script`` in the serving interpreter under the stand-in driver; it prints one JSON line."""
+    environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home)}
+    if os.environ.get("CUDA_HOME"):
+        environ["CUDA_HOME"] = os.environ["CUDA_HOME"]
+    proc = subprocess.run([str(env.python), str(STANDIN), "-c", script, *args], capture_output=True, text=True,
+                          timeout=300, env=environ)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1])
+
+
+# FlashInfer's unified workspace, called as SGLang 0.5.10 and vLLM 0.17+ call it.
+UNIFIED = """
+import json, tempfile
+import standin_driver as sd
+sd.install(devices=2, stop_at="cuMemCreate")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import flashinfer.comm as comm
+try:
+    comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=2, rank=0, max_token_num=128,
+                                           hidden_dim=4096, dtype=torch.bfloat16, force_oneshot_support=False)
+    outcome = "returned"
+except sd.Reached as exc:
+    outcome = "reached " + str(exc)
+except Exception as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+print(json.dumps({"outcome": outcome, "calls": sd.CALLS}))
+"""
+
+
+def test_flashinfer_unified_workspace_without_multicast_pristine_refuses_patched_allocates(fusion_env):
+    """FlashInfer 0.6.4 (0.6.0-0.6.9 take this path): pristine, SymmDeviceMemory raises although
+    the trtllm workspace asks for no multicast; with unicast-workspace it goes on to the unicast
+    allocation, and nothing asks the driver anything about multicast but its support."""
+    pristine = run_standin(fusion_env, UNIFIED)
+    assert pristine["outcome"] == "RuntimeError: [SymmDeviceMemory] Device does not support multicasting.", pristine
+    assert "cuMemCreate" not in pristine["calls"]
+
+    session = Session(fusion_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    try:
+        patched = run_standin(fusion_env, UNIFIED)
+    finally:
+        assert session("revert", "--flashinfer").exit_code == 0
+    assert patched["outcome"] == "reached cuMemCreate", patched
+    assert [c for c in patched["calls"] if c.startswith("cuMulticast")] == []
+    assert "cuMemGetAllocationGranularity" in patched["calls"]
+
+
+PREFLIGHT_SCRIPT = """
+import ast, json, logging, sys, tempfile
+from typing import Optional
+import standin_driver as sd
+sd.install(devices=2, multicast=sys.argv[2] == "multicast")
+import torch, torch.distributed as dist
+from cuda.bindings import driver
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+source = open(sys.argv[1]).read()
+# Every plain function the module defines, as it is (its imports pull in SGLang's server,
+# which the preflight does not use: its names are given below).
+module = ast.Module([n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.decorator_list], [])
+logged = []
+class Log(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+logger = logging.getLogger("sglang-preflight")
+logger.addHandler(Log())
+import contextlib, inspect, platform
+class Unset:  # sglang.srt.environ.envs with no SGLANG_* variable set
+    def __getattr__(self, name):
+        return type("Var", (), {"get": lambda self: None})()
+namespace = {"envs": Unset(), "torch": torch, "logger": logger, "Optional": Optional, "get_cuda_driver_bindings": lambda: driver,
+             "contextlib": contextlib, "inspect": inspect, "platform": platform,
+             "ceil_align": lambda x, y: (x + y - 1) // y * y}
+exec(compile(module, sys.argv[1], "exec"), namespace)
+proceed = namespace["_preflight_check_workspace_memory"](2, 2048, 4096, torch.bfloat16, cpu_group=dist.group.WORLD)
+print(json.dumps({"proceed": proceed, "calls": sd.CALLS, "log": logged}))
+"""
+
+
+def preflight_bytes(version: str, wheel_cache) -> tuple[bytes, bytes]:
+    """SGLang's flashinfer_comm_fusion.py of ``version``: the wheel's bytes and sm120patch's patched ones."""
+    import zipfile
+
+    wheel = fetch_wheel("sglang", version, wheel_cache)
+    pristine = zipfile.ZipFile(wheel).read(PREFLIGHT)
+    patch_set = load_registry().get("sglang").find(Version(version))
+    patched = apply_edits(pristine, patch_set.patches_for(PREFLIGHT), where=f"sglang {version}")
+    return pristine, patched
+
+
+@pytest.mark.parametrize("version", ["0.5.11", "0.5.14", "0.5.23"])  # the preflight's three layouts
+def test_sglang_preflight_without_multicast_pristine_skips_fusion_patched_proceeds(fusion_env, wheel_cache,
+                                                                                 tmp_path, version):
+    pristine, patched = preflight_bytes(version, wheel_cache)
+    functions = {n.name for n in ast.parse(pristine).body if isinstance(n, ast.FunctionDef)}
+    assert set(PREFLIGHT_FUNCTIONS) <= functions
+    results = {}
+    for name, data in (("pristine", pristine), ("patched", patched)):
+        path = tmp_path / f"{name}.py"
+        path.write_bytes(data)
+        results[name] = run_standin(fusion_env, PREFLIGHT_SCRIPT, str(path), "none")
+
+    assert results["pristine"]["proceed"] is False
+    assert "cuMulticastGetGranularity" in results["pristine"]["calls"]
+    assert any("preflight probe failed" in line and "Skipping allreduce fusion" in line
+               for line in results["pristine"]["log"]), results["pristine"]["log"]
+    assert results["patched"]["proceed"] is True, results["patched"]
+    assert [c for c in results["patched"]["calls"] if c.startswith("cuMulticast")] == []
+    assert results["patched"]["calls"].count("cuMemCreate") == 3  # the three buffers, probed unicast
+    assert results["patched"]["log"] == []
+
+
+def test_sglang_preflight_patched_still_aligns_to_multicast_where_the_gpu_has_it(fusion_env, wheel_cache, tmp_path):
+    """On a GPU that reports multicast (an NVSwitch box) the patched preflight asks for the
+    multicast granularity as before: the patch changes nothing there."""
+    _, patched = preflight_bytes("0.5.14", wheel_cache)
+    path = tmp_path / "patched.py"
+    path.write_bytes(patched)
+    result = run_standin(fusion_env, PREFLIGHT_SCRIPT, str(path), "multicast")
+    assert result["calls"].count("cuMulticastGetGranularity") == 3
+    assert result["proceed"] is True and result["calls"].count("cuMemCreate") == 3
+
+
+@pytest.mark.parametrize("server, version, flashinfer, needs", [
+    ("sglang", "0.5.9", "0.6.4", ()),
+    ("sglang", "0.5.10", "0.6.7.post2", ("flashinfer-python:unicast-workspace",)),
+    ("sglang", "0.5.10", "0.6.12", ()),
+    ("sglang", "0.5.11", "0.6.8.post1", ("sglang:preflight-unicast", "flashinfer-python:unicast-workspace")),
+    ("sglang", "0.5.14", "0.6.12", ("sglang:preflight-unicast",)),
+    ("sglang", "0.5.23", "0.7.2", ("sglang:preflight-unicast",)),
+    ("vllm", "0.16.0", "0.6.3", ()),
+    ("vllm", "0.17.0", "0.6.4", ("flashinfer-python:unicast-workspace",)),
+    ("vllm", "0.21.0", "0.6.8.post1", ("flashinfer-python:unicast-workspace",)),
+    ("vllm", "0.22.0", "0.6.11.post2", ()),
+    ("vllm", "0.33.0", "0.7.2.post1", ()),
+])
+def test_the_map_names_what_each_pinned_combination_needs(server, version, flashinfer, needs):
+    """The releases each server pins (docs/fusion-paths.md), against the data status reads."""
+    row = load_registry().get(server).fusion_path(Version(version), Version(flashinfer))
+    assert row is not None
+    assert tuple(f"{owner}:{patch_id}" for owner, patch_id in row.needs) == needs
