@@ -41,7 +41,8 @@ LAMPORT = "flashinfer/data/csrc/trtllm_allreduce.cu"
 COMMUNICATOR = "sglang/srt/layers/communicator.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
 SYMM_MEM = "sglang/srt/distributed/device_communicators/all_reduce_utils.py"
-FLASHINFER_FILES = (COMM, HEADER, LAMPORT)
+MNNVL = "flashinfer/comm/mnnvl.py"
+FLASHINFER_FILES = (COMM, HEADER, LAMPORT, MNNVL)
 
 
 def wheel_file(wheel: Path, relpath: str) -> bytes:

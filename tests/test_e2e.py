@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import json
 
-from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, SERVER_ARGS, changed, snapshot
+from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, SERVER_ARGS, changed, snapshot
 from sm120patch.errors import ExitCode
 
 
@@ -52,7 +52,7 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     # What changed is exactly the four files it names, and sm120patch's own state beside them.
     site = str(serving_env.site_packages)
     assert {p for p in changed(before, snapshot(serving_env)) if ".sm120patch" not in p} == {
-        f"{site}/{rel}" for rel in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
+        f"{site}/{rel}" for rel in (*FLASHINFER_FILES, COMMUNICATOR)}
 
     comm = serving_env.file(COMM).read_text()
     assert supported_majors(comm) == [9, 10, 12]
@@ -67,7 +67,7 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     communicator = serving_env.file(COMMUNICATOR).read_text()
     assert "_is_sm120_supported" in fusion_predicate_names(communicator)
     assert "_is_sm120_supported = _is_cuda and is_sm120_supported()" in communicator
-    assert sorted(serving_env.record_mismatches()) == sorted([COMM, HEADER, LAMPORT, COMMUNICATOR])
+    assert sorted(serving_env.record_mismatches()) == sorted([*FLASHINFER_FILES, COMMUNICATOR])
 
     status = sm120patch("status", "--json")
     assert status.exit_code == ExitCode.OK, status.output
@@ -92,7 +92,7 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
 def test_second_apply_changes_nothing(sm120patch, serving_env):
     assert sm120patch("apply").exit_code == 0
     before = snapshot(serving_env)
-    mtimes = {p: serving_env.file(p).stat().st_mtime_ns for p in (COMM, HEADER, LAMPORT, COMMUNICATOR)}
+    mtimes = {p: serving_env.file(p).stat().st_mtime_ns for p in (*FLASHINFER_FILES, COMMUNICATOR)}
     again = sm120patch("apply")
     assert again.exit_code == 0
     assert again.output.count("nothing to change (already patched)") == 2
@@ -177,7 +177,7 @@ def test_hand_edited_file_is_refused_then_forced(sm120patch, serving_env):
 
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED
-    assert "pdl-gates       drifted" in status.output
+    assert "pdl-gates          drifted" in status.output
 
     # The forced rewriter needs exactly 13 pristine sites; one is hand-edited: still refused.
     forced = sm120patch("apply", "--flashinfer", "0.6.4", "--force")
@@ -197,7 +197,7 @@ def test_force_patches_a_drifted_file_by_meaning_and_revert_restores_its_bytes(s
     assert forced.exit_code == 0, forced.output
     assert comm.read_text().startswith("# local: pinned build") and "[9, 10, 12]" in comm.read_text()
     status = sm120patch("status", "--flashinfer")
-    assert "jit-gate        applied (forced)" in status.output
+    assert "jit-gate           applied (forced)" in status.output
     assert "applied with --force to bytes no vendor manifest vouches for (unpinned)" in status.output
     assert sm120patch("revert", "--flashinfer").exit_code == 0
     assert comm.read_text() == edited

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
+from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
 from sm120patch.manifests import load_manifest
 
 STRACE = shutil.which("strace")
@@ -31,7 +31,7 @@ WRITE_SYSCALLS = (
     "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
 TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
-FILES = {COMM: "flashinfer-python", HEADER: "flashinfer-python", LAMPORT: "flashinfer-python", COMMUNICATOR: "sglang"}
+FILES = {**{relpath: "flashinfer-python" for relpath in FLASHINFER_FILES}, COMMUNICATOR: "sglang"}
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 SELECT = ["--flashinfer", "0.6.4", "--sglang", "0.5.9"]
 OPPOSITE = {"apply": "revert", "revert": "apply"}
@@ -123,7 +123,7 @@ class Sandbox:
                 original = self.env.state(prefix).original(relpath)
                 assert original.exists() and original.read_bytes() == self.pristine[relpath], \
                     f"{where}: {relpath} is patched but its original is lost"
-        flashinfer = {states[r] for r in (COMM, HEADER, LAMPORT)}
+        flashinfer = {states[r] for r in FLASHINFER_FILES}
         for arch in ("90a", "90a_120a"):
             entry = self.env.jit_entry(arch, "trtllm_comm")
             if entry.exists():

@@ -27,7 +27,7 @@ def test_a_deleted_target_file(sm120patch, serving_env):
     seed_jit_cache(serving_env)
     before = snapshot(serving_env)
     status = sm120patch("status")
-    assert status.exit_code == ExitCode.REFUSED and "pdl-gates       missing" in status.output
+    assert status.exit_code == ExitCode.REFUSED and "pdl-gates          missing" in status.output
     result = sm120patch("apply")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "trtllm_allreduce.cuh is missing")

@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FLASHINFER_FILES,
     COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, Session, changed, make_venv, one_clear_error,
     run_as_nobody, run_cli, sm120patch_argv, snapshot,
 )
 from sm120patch.errors import ExitCode
 from sm120patch.manifests import load_manifest
 
-FLASHINFER = (COMM, HEADER, LAMPORT)
+FLASHINFER = FLASHINFER_FILES
 
 
 def states(env: ServingEnv) -> dict[str, str]:
@@ -167,7 +168,7 @@ def test_root_on_a_service_users_environment(shared_dir, flashinfer_wheel, sglan
     assert "JIT cache base: /nonexistent (the home of nobody, who owns the environment" in result.output
     for path in [env.state_root, *env.state_root.rglob("*")]:
         assert (path.stat().st_uid, path.stat().st_gid) == (65534, 65534), path
-    for relpath in (COMM, HEADER, LAMPORT, COMMUNICATOR):
+    for relpath in (*FLASHINFER_FILES, COMMUNICATOR):
         assert env.file(relpath).stat().st_uid == 65534
     # The owner reads what root did, and can undo it.
     status = as_nobody(env, "status", shared_dir)
@@ -275,7 +276,7 @@ def test_a_hand_edit_equal_to_the_patch_is_told_apart_adopted_and_reverted(sm120
     serving_env.file(COMM).write_bytes(patched_comm)  # what a careful `sed` leaves
 
     status = sm120patch("status")
-    assert "jit-gate        applied (by hand)" in status.output
+    assert "jit-gate           applied (by hand)" in status.output
     assert f"{COMM}: patched by hand, identical to jit-gate; sm120patch has no record of it" in status.output
     applied = sm120patch("apply")
     assert applied.exit_code == 0, applied.output

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from helpers import COMM, COMMUNICATOR, HEADER, LAMPORT, changed, snapshot
+from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, changed, snapshot
 from sm120patch import transaction
 from sm120patch.errors import ExitCode, TransactionError
 from sm120patch.state import Owner, ensure_dir
@@ -52,7 +52,7 @@ def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeyp
     calls = {"n": 0}
 
     def flaky_replace(src, dst):
-        if any(str(dst).endswith(p) for p in (COMM, HEADER, LAMPORT, COMMUNICATOR)):
+        if any(str(dst).endswith(p) for p in (*FLASHINFER_FILES, COMMUNICATOR)):
             calls["n"] += 1
             if calls["n"] == failing_replace:
                 raise OSError(errno.EIO, "Input/output error", str(dst))
@@ -74,7 +74,7 @@ def raise_after_two_files(monkeypatch, exc: type[BaseException]) -> dict:
 
     def write_then_raise(path, data, **kwargs):
         real_write(path, data, **kwargs)
-        if any(str(path).endswith(p) for p in (COMM, HEADER, LAMPORT)):
+        if any(str(path).endswith(p) for p in FLASHINFER_FILES):
             writes["n"] += 1
             if writes["n"] == 2:
                 raise exc
@@ -122,7 +122,7 @@ def test_a_journal_left_by_a_kill_is_rolled_back_by_the_next_run(sm120patch, ser
     again = sm120patch("apply", "--flashinfer", "0.6.4")
     assert again.exit_code == 0, again.output
     assert "rolled back an interrupted apply" in again.output
-    assert sorted(serving_env.record_mismatches()) == sorted([COMM, HEADER, LAMPORT])
+    assert sorted(serving_env.record_mismatches()) == sorted([*FLASHINFER_FILES])
     assert sm120patch("revert").exit_code == 0
     after = snapshot(serving_env)
     # Everything is as before but the stale trtllm_comm entries (the apply removed them) and
