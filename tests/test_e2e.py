@@ -64,6 +64,8 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     assert "lamport_peer_comm_buffer_ptrs[i + MAX_RANKS_PER_NODE]" in lamport
     assert "lamport_peer_comm_buffer_ptrs[i + MAX_RANKS_PER_NODE * 2]" in lamport
     assert "TVM_FFI_ICHECK(tp_size <= static_cast<int64_t>(MAX_RANKS_PER_NODE))" in lamport
+    mnnvl = serving_env.file(FLASHINFER_FILES[3]).read_text()
+    assert "if self._enable_multicast:" in mnnvl and "self._mc_granularity = alloc_granularity" in mnnvl
     communicator = serving_env.file(COMMUNICATOR).read_text()
     assert "_is_sm120_supported" in fusion_predicate_names(communicator)
     assert "_is_sm120_supported = _is_cuda and is_sm120_supported()" in communicator
@@ -77,6 +79,7 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
         ("flashinfer-python", "jit-gate"): "applied",
         ("flashinfer-python", "pdl-gates"): "applied",
         ("flashinfer-python", "lamport-stride"): "applied",
+        ("flashinfer-python", "unicast-workspace"): "applied",
         ("sglang", "fusion-gate"): "applied",
         ("sglang", "auto-enable"): "pristine",
         ("sglang", "symm-mem"): "pristine",
