@@ -135,7 +135,7 @@ def test_apply_json_is_a_document_that_matches_the_files(sm120patch, serving_env
     assert [r["name"] for r in doc["results"]] == ["flashinfer-python", "sglang"]
     files = {f["file"]: f for f in doc["results"][0]["files"]}
     assert set(files) == {COMM, "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
-                          "flashinfer/data/csrc/trtllm_allreduce.cu"}
+                          "flashinfer/data/csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py"}
     import hashlib
 
     assert files[COMM]["after"] == hashlib.sha256(serving_env.file(COMM).read_bytes()).hexdigest()
