@@ -2,17 +2,16 @@
 does: N GPUs of compute capability 12.0, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0, no
 fabric handles, every cuMulticast* call answering CUDA_ERROR_NOT_SUPPORTED, unicast cuMem*
 calls succeeding (``multicast=True``: an NVSwitch box, which also answers the multicast
-granularity; every other multicast call is still refused). Installed into the *real* driver binding (``cuda.bindings.driver``) of the
-process that runs the server's own code, before that code is imported, so SGLang's and
-FlashInfer's functions run unchanged and call it. Every call is recorded.
+granularity; every other multicast call is still refused). Installed into the *real* driver
+binding (``cuda.bindings.driver``) of the process that runs the server's own code, before that
+code is imported, so SGLang's and FlashInfer's functions run unchanged and call it. Every call
+is recorded.
 
 ``stop_at``: the name of a call at which the stand-in raises :class:`Reached` instead of
 answering: the server's decision has been made by then (every check passed, the unicast
 allocation begins), and past it real memory would be needed.
 
-Used by tests/test_fusion_paths.py in a subprocess (``python standin_driver.py -c CODE``). On a
-real GPU, ``real=True`` replaces only the multicast answers (never call a cuMulticast* function
-on a shared host)."""
+Used by tests/test_fusion_paths.py in a subprocess (``python standin_driver.py -c CODE``)."""
 
 from __future__ import annotations
 
@@ -29,21 +28,24 @@ class Reached(Exception):
     """The code under test got as far as ``stop_at``."""
 
 
+def cudart_paths() -> list[str]:
+    """The toolkit's libcudart (under $CUDA_HOME, else /usr/local/cuda): FlashInfer's comm package
+    looks for it among the process's loaded libraries, and a CPU torch loads none."""
+    roots = [root for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if root]
+    return [path for root in roots for path in sorted(glob.glob(os.path.join(root, "lib64", "libcudart.so*")))]
+
+
 def _load_cudart() -> None:
-    """FlashInfer's comm package looks for libcudart among the process's loaded libraries; a
-    CPU torch loads none, so load the toolkit's (no GPU is needed to load it)."""
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
-    for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "lib64", "libcudart.so*")) if root else []):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                return
-            except OSError:
-                continue
+    for path in cudart_paths():  # no GPU is needed to load it
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
     raise SystemExit("stand-in driver: no libcudart under $CUDA_HOME or /usr/local/cuda")
 
 
-def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None, real: bool = False) -> None:
+def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None) -> None:
     from cuda.bindings import driver
 
     ok = driver.CUresult.CUDA_SUCCESS
@@ -56,7 +58,6 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
         attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: 0,
         attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 1,
     }
-    real_attribute = driver.cuDeviceGetAttribute
 
     def record(name, result):
         def call(*args, **kwargs):
@@ -68,9 +69,7 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
         return call
 
     def attribute(which, device):
-        if which in answers:
-            return ok, answers[which]
-        return real_attribute(which, device) if real else (ok, 0)
+        return ok, answers.get(which, 0)
 
     def refuse_multicast(*args, **kwargs):
         return (not_supported, None)
@@ -79,43 +78,36 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     for name in dir(driver):
         if name.startswith("cuMulticast"):
             replaced[name] = refuse_multicast
-    if multicast and not real:  # an NVSwitch box: its granularity is a fact like any other
+    if multicast:  # an NVSwitch box: its granularity is a fact like any other
         replaced["cuMulticastGetGranularity"] = (ok, 2 * MIB)
-    if not real:
-        handle = iter(range(0x1000, 0x10000))
-        replaced.update({
-            "cuInit": (ok,),
-            "cuDeviceGet": lambda ordinal: (ok, ordinal),
-            "cuDeviceGetCount": (ok, devices),
-            "cuCtxGetCurrent": (ok, 1),
-            "cuCtxSetCurrent": (ok,),
-            "cuDevicePrimaryCtxRetain": (ok, 1),
-            "cuCtxGetDevice": (ok, 0),
-            "cuMemGetAllocationGranularity": (ok, 2 * MIB),
-            "cuMemCreate": lambda size, prop, flags: (ok, next(handle)),
-            "cuMemRelease": (ok,),
-        })
+    handle = iter(range(0x1000, 0x10000))
+    replaced.update({
+        "cuInit": (ok,),
+        "cuDeviceGet": lambda ordinal: (ok, ordinal),
+        "cuDeviceGetCount": (ok, devices),
+        "cuCtxGetCurrent": (ok, 1),
+        "cuCtxSetCurrent": (ok,),
+        "cuDevicePrimaryCtxRetain": (ok, 1),
+        "cuCtxGetDevice": (ok, 0),
+        "cuMemGetAllocationGranularity": (ok, 2 * MIB),
+        "cuMemCreate": lambda size, prop, flags: (ok, next(handle)),
+        "cuMemRelease": (ok,),
+    })
     for name, result in replaced.items():
         setattr(driver, name, record(name, result))
 
-    if not real:
-        from cuda.bindings import runtime
+    from cuda.bindings import runtime
 
-        runtime.cudaSetDevice = record("cudaSetDevice", (runtime.cudaError_t.cudaSuccess,))
+    runtime.cudaSetDevice = record("cudaSetDevice", (runtime.cudaError_t.cudaSuccess,))
 
-        import torch
+    import torch
 
-        torch.cuda.is_available = lambda: True
-        torch.cuda.device_count = lambda: devices
-        torch.cuda.current_device = lambda: 0
-        torch.cuda.set_device = lambda device: None
-        torch.cuda.get_device_capability = lambda device=None: (12, 0)
-        _load_cudart()
-
-
-def multicast_calls() -> list[str]:
-    return [c for c in CALLS if c.startswith("cuMulticast")]
-
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: devices
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.get_device_capability = lambda device=None: (12, 0)
+    _load_cudart()
 
 if __name__ == "__main__":  # python standin_driver.py -c CODE [ARGS...]: run CODE, which installs the stand-in
     code = sys.argv[2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from helpers import Session, need
+import standin_driver
+from helpers import COMMUNICATOR, FLASHINFER_FILES, ServingEnv, Session, make_venv, need, run_cli
 from sm120patch.distributions import load_registry
 from sm120patch.manifests import apply_edits
 from sm120patch.wheels import fetch_wheel
@@ -34,8 +36,7 @@ PREFLIGHT_FUNCTIONS = ("_make_flashinfer_workspace_allocation_prop", "_flashinfe
 def fusion_env(runtime_env):
     """The runtime environment (torch CPU, the real flashinfer-python 0.6.4) with the CUDA driver
     binding FlashInfer's comm package imports (cuda-python; it loads no driver until called)."""
-    roots = [os.environ.get("CUDA_HOME") or "/usr/local/cuda", "/usr/local/cuda"]
-    need(any(list(Path(root, "lib64").glob("libcudart.so*")) for root in roots),
+    need(bool(standin_driver.cudart_paths()),
          "needs the CUDA toolkit's libcudart (FlashInfer's comm package looks for it among loaded libraries)")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(runtime_env.python), "install", "--quiet",
                     "--disable-pip-version-check", "cuda-python>=12.9"], check=True)
@@ -186,3 +187,25 @@ def test_the_map_names_what_each_pinned_combination_needs(server, version, flash
     row = load_registry().get(server).fusion_path(Version(version), Version(flashinfer))
     assert row is not None
     assert tuple(f"{owner}:{patch_id}" for owner, patch_id in row.needs) == needs
+
+
+def test_a_pair_that_falls_back_is_told_so_and_the_printed_command_makes_it_fuse(tmp_path, wheel_cache):
+    """SGLang 0.5.11 with the FlashInfer it pins (0.6.8.post1): status says the server falls back
+    on a PCIe GPU and prints the command; run exactly as printed, it applies both missing patches
+    and status then says the server enters fusion (and the files are the manifest's patched bytes)."""
+    env = ServingEnv(tmp_path / "venv", tmp_path / "home")
+    make_venv(env.root, [fetch_wheel("flashinfer-python", "0.6.8.post1", wheel_cache),
+                         fetch_wheel("sglang", "0.5.11", wheel_cache)])
+    before = run_cli("status", "--python", str(env.python))
+    line = next(line for line in before.output.splitlines() if "fusion:" in line)
+    assert line.startswith("  ! fusion:") and "falls back to unfused allreduce" in line
+    assert "Apply sglang:preflight-unicast, flashinfer-python:unicast-workspace to make it fuse" in line
+    printed = line.rsplit("`", 2)[1]
+    assert printed == f"sm120patch apply --python {env.python}"
+    words = shlex.split(printed)
+    assert run_cli(*words[1:]).exit_code == 0
+
+    after = run_cli("status", "--python", str(env.python))
+    assert after.exit_code == 0, after.output
+    assert "enters fusion: workspace preflight" in after.output and "! fusion:" not in after.output
+    assert sorted(env.record_mismatches()) == sorted([PREFLIGHT, COMMUNICATOR, *FLASHINFER_FILES])

@@ -363,6 +363,9 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
             raise PatchDataError(f"{fwhere}: a path that needs patches says what happens without them (without)")
         paths.append(FusionPath(_specifier(raw["versions"], fwhere), _specifier(raw["with"], fwhere), raw["path"],
                                 tuple(needs), raw.get("without", "")))
+    fusion_with = _optional_str(doc, "fusion_with", where)
+    if paths and not fusion_with:
+        raise PatchDataError(f"{where}: fusion_path rows need fusion_with (the distribution whose release they also depend on)")
     checkout = None
     if "checkout" in doc:
         raw = doc["checkout"]
@@ -387,7 +390,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
-        fusion_paths=tuple(paths), fusion_with=_optional_str(doc, "fusion_with", where), checkout=checkout, verify=verify,
+        fusion_paths=tuple(paths), fusion_with=fusion_with, checkout=checkout, verify=verify,
         directory=directory,
     )
 
@@ -419,6 +422,9 @@ def load_registry(directory: Path | None = None, *, full: bool = True) -> Regist
     if full:
         ids = {d.name: {p.id for ps in d.patch_sets for p in ps.patches} for d in distributions}
         for d in distributions:
+            if d.fusion_paths and d.fusion_with not in ids:
+                raise PatchDataError(f"{d.name}/distribution.toml: fusion_with names no distribution of sm120patch: "
+                                     f"{d.fusion_with}")
             for index, row in enumerate(d.fusion_paths):
                 unknown = [f"{owner}:{patch_id}" for owner, patch_id in row.needs if patch_id not in ids.get(owner, ())]
                 if unknown:

@@ -182,7 +182,7 @@ def examine_driver(report: DoctorReport, facts: driver.DriverFacts) -> None:
         return
     multicast = [d.index for d in facts.devices if d.multicast]
     if facts.multicast:
-        report.add("info", f"every GPU reports multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 1: an NVSwitch box)")
+        report.add("info", "every GPU reports multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 1: an NVSwitch box)")
     else:
         report.add("info", "GPUs without multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
                            + (f"; GPU {', '.join(map(str, multicast))} report 1" if multicast else "")

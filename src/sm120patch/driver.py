@@ -11,7 +11,8 @@ sm120patch's interpreter whatever the serving environment holds."""
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 LIBCUDA = "libcuda.so.1"
 # cuda.h (CUDA 12.x and 13.0): CUdevice_attribute values.
@@ -42,7 +43,7 @@ class DriverFacts(NamedTuple):
     """``devices`` empty and ``error`` set: no driver, or it answered no device."""
 
     devices: tuple[Device, ...] = ()
-    peer_access: dict = {}  # (i, j) -> bool, for every ordered pair i != j
+    peer_access: Mapping[tuple[int, int], bool] = MappingProxyType({})  # every ordered pair i != j
     version: int | None = None  # cuDriverGetVersion: 13000 for CUDA 13.0
     error: str | None = None
 

@@ -5,17 +5,24 @@ has read them, the machine's GPUs (``driver.py``)."""
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from sm120patch.distributions import Distribution, FusionPath
+
+if TYPE_CHECKING:
+    from packaging.version import Version
+
+    from sm120patch.environment import InstalledDistribution
 
 
 class FusionVerdict(NamedTuple):
     server: str  # "sglang 0.5.14"
-    with_: str | None  # "flashinfer-python 0.6.12"; None: not installed
-    path: FusionPath | None  # None: sm120patch has not mapped this combination
+    with_: str  # "flashinfer-python 0.6.12", or the name alone when it is not installed
+    installed: bool  # whether the distribution it fuses with is installed
+    path: FusionPath | None  # None: not installed, or sm120patch has not mapped this combination
     missing: tuple[str, ...] = ()  # "distribution:id" not applied
     unknown: tuple[str, ...] = ()  # needed, on a distribution this run did not assess
+    apply_command: str = ""  # what applies the missing patches, as it can be copied
 
     @property
     def enters(self) -> bool | None:
@@ -31,35 +38,37 @@ class FusionVerdict(NamedTuple):
         """In words; ``multicast``: what this machine's GPUs report (None: not read)."""
         where = ("this machine's GPUs report no multicast" if multicast is False
                  else "on a GPU without multicast (PCIe, no NVSwitch)")
-        if self.with_ is None:
-            return f"{self.server}: the fusion workspace path depends on the FlashInfer release, and none is installed"
+        if not self.installed:
+            return f"{self.server}: the fusion workspace path depends on the {self.with_} release, and none is installed"
         if self.path is None:
             return f"{self.server} with {self.with_}: sm120patch has no map of its fusion workspace path"
         if multicast is True:
             return (f"this machine's GPUs report multicast: {self.server} with {self.with_} takes the {self.path.path}")
         if self.missing:
             return (f"{where}: {self.server} with {self.with_} falls back to unfused allreduce (the server starts; "
-                    f"only its log says so): {self.path.without}. Apply {', '.join(self.missing)} to make it fuse")
+                    f"only its log says so): {self.path.without}. Apply {', '.join(self.missing)} to make it fuse: "
+                    f"`{self.apply_command}`")
         if self.unknown:
             return (f"{where}: {self.server} with {self.with_} enters fusion once {', '.join(self.unknown)} "
-                    f"is applied (not checked in this run: select that distribution too)")
+                    f"is applied (not checked: this run selected only some distributions; without a selector "
+                    f"status checks them all)")
         return f"{where}: {self.server} with {self.with_} enters fusion: {self.path.path}"
 
 
-def judge(distribution: Distribution, raw_version: str, version, with_installed: tuple[str, object] | None,
-          applied: Mapping[str, frozenset[str] | None]) -> FusionVerdict | None:
-    """``with_installed``: (raw version, Version) of ``distribution.fusion_with`` as installed, or
-    None; ``applied``: patch ids applied per distribution name, for those assessed in this run
-    (None inside: no pinned set, so which are applied is not known)."""
-    if not distribution.fusion_paths:
-        return None
+def judge(distribution: Distribution, raw_version: str, version: Version | None,
+          other: InstalledDistribution | None, applied: Mapping[str, frozenset[str] | None], *,
+          apply_command: str) -> FusionVerdict:
+    """``other``: ``distribution.fusion_with`` as installed (None: it is not); ``applied``: patch
+    ids applied per distribution name, for those assessed in this run (None inside: no pinned
+    set, so which are applied is not known); ``apply_command``: the command that applies every
+    required patch of this target (the missing ones are required)."""
     server = f"{distribution.name} {raw_version}"
-    if with_installed is None:
-        return FusionVerdict(server, None, None)
-    with_text = f"{distribution.fusion_with} {with_installed[0]}"
-    row = distribution.fusion_path(version, with_installed[1])
+    if other is None:
+        return FusionVerdict(server, distribution.fusion_with, False, None)
+    with_text = f"{distribution.fusion_with} {other.raw_version}"
+    row = distribution.fusion_path(version, other.version)
     if row is None:
-        return FusionVerdict(server, with_text, None)
+        return FusionVerdict(server, with_text, True, None)
     missing, unknown = [], []
     for owner, patch_id in row.needs:
         ids = applied.get(owner)
@@ -68,4 +77,4 @@ def judge(distribution: Distribution, raw_version: str, version, with_installed:
             unknown.append(name)
         elif patch_id not in ids:
             missing.append(name)
-    return FusionVerdict(server, with_text, row, tuple(missing), tuple(unknown))
+    return FusionVerdict(server, with_text, True, row, tuple(missing), tuple(unknown), apply_command)

@@ -23,6 +23,7 @@ from sm120patch.assess import Assessment, assess, present_by_meaning, status_exi
 from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
+from sm120patch.fusionpath import FusionVerdict, judge
 from sm120patch.hashing import sha256
 from sm120patch.state import Owner, state_root
 from sm120patch.transaction import (
@@ -33,7 +34,6 @@ from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
 if TYPE_CHECKING:  # planning and git commits are imported by the commands that change things, not by status
     from sm120patch.checkout import Commit, Undo
     from sm120patch.plan import Plan, ReleaseBytes
-    from sm120patch.fusionpath import FusionVerdict
 
 
 
@@ -199,7 +199,7 @@ class TreeStatus(NamedTuple):
     pin: str | None = None
     jit: JitStatus | None = None
     routed_from: Path | None = None  # an editable install, shown as its checkout
-    fusion: "FusionVerdict | None" = None  # past the gate, on a GPU without multicast
+    fusion: FusionVerdict | None = None  # past the gate, on a GPU without multicast
 
     @property
     def tree(self):
@@ -261,18 +261,16 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
 def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStatus]:
     """Each server's path past the gate, judged with the patches applied to it and to the
     distribution it fuses with (when that one is assessed in this run too)."""
-    from sm120patch.fusionpath import judge
-
     if located.env is None:
         return trees
     applied = {t.distribution.name: t.assessment.applied_ids for t in trees}
     judged = []
     for item in trees:
         d = item.distribution
-        if d.fusion_paths and d.fusion_with:
-            other = located.env.get(d.fusion_with)
-            with_installed = None if other is None else (other.raw_version, other.version)
-            item = item._replace(fusion=judge(d, item.assessment.raw_version, item.tree.version, with_installed, applied))
+        if d.fusion_paths:
+            item = item._replace(fusion=judge(d, item.assessment.raw_version, item.tree.version,
+                                              located.env.get(d.fusion_with), applied,
+                                              apply_command=located.command("apply")))
         judged.append(item)
     return judged
 

@@ -100,7 +100,7 @@ def render_status(report: StatusReport) -> str:
         if item.pin:
             lines.append(f"  note: {item.pin} (sm120patch patches each as installed)")
         if item.fusion is not None:
-            mark = {True: "fusion:", False: "! fusion:", None: "fusion:"}[item.fusion.enters]
+            mark = "! fusion:" if item.fusion.enters is False else "fusion:"
             lines.append(f"  {mark} {item.fusion.render()}")
         if isinstance(tree, CheckoutTree):
             from sm120patch.checkout import read_note
@@ -166,7 +166,7 @@ def status_json(report: StatusReport) -> dict:
             "advice": [{"level": x.level, "text": x.render(a.raw_version)} for x in item.advice],
             "fusion_without_multicast": None if item.fusion is None else {
                 "enters": item.fusion.enters,
-                "with": item.fusion.with_,
+                "with": item.fusion.with_ if item.fusion.installed else None,
                 "path": item.fusion.path.path if item.fusion.path else None,
                 "missing": list(item.fusion.missing),
                 "unknown": list(item.fusion.unknown),

@@ -436,7 +436,7 @@ class ReplaceStatements(LibcstRewriter):
 
             def on_visit(self, node: cst.CSTNode) -> bool:
                 self._ancestors.append(node)
-                if isinstance(node, cst.IndentedBlock) and self._functions and self._functions[-1] == self.function:
+                if isinstance(node, cst.IndentedBlock) and self.in_scope:
                     starts = runs(list(node.body), new)
                     self.applied += len(starts)
                     self._replaced.update(id(s) for i in starts for s in node.body[i:i + len(new)])
@@ -447,9 +447,7 @@ class ReplaceStatements(LibcstRewriter):
                 return super().on_leave(original_node, updated_node)
 
             def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock):
-                if not (self._functions and self._functions[-1] == self.function):
-                    return updated_node
-                if any(id(node) in self._replaced for node in self._ancestors):
+                if not self.in_scope or any(id(node) in self._replaced for node in self._ancestors):
                     return updated_node
                 body = list(updated_node.body)
                 starts = runs(body, old)
