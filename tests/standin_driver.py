@@ -8,8 +8,9 @@ code is imported, so SGLang's and FlashInfer's functions run unchanged and call 
 is recorded.
 
 ``stop_at``: the name of a call at which the stand-in raises :class:`Reached` instead of
-answering: the server's decision has been made by then (every check passed, the unicast
-allocation begins), and past it real memory would be needed.
+answering (after answering its first ``answer_first`` calls): the server's decision has been
+made by then (every check passed, the unicast allocation begins), and past it real memory
+would be needed.
 
 Used by tests/test_fusion_paths.py in a subprocess (``python standin_driver.py -c CODE``)."""
 
@@ -19,13 +20,15 @@ import ctypes
 import glob
 import os
 import sys
+import types
 
 CALLS: list[str] = []
 MIB = 1 << 20
 
 
-class Reached(Exception):
-    """The code under test got as far as ``stop_at``."""
+class Reached(BaseException):
+    """The code under test got as far as ``stop_at`` (not an Exception: the server's own
+    ``except Exception`` fall-backs must not swallow it)."""
 
 
 def cudart_paths() -> list[str]:
@@ -45,7 +48,7 @@ def _load_cudart() -> None:
     raise SystemExit("stand-in driver: no libcudart under $CUDA_HOME or /usr/local/cuda")
 
 
-def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None) -> None:
+def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None, answer_first: int = 0) -> None:
     from cuda.bindings import driver
 
     ok = driver.CUresult.CUDA_SUCCESS
@@ -62,7 +65,7 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     def record(name, result):
         def call(*args, **kwargs):
             CALLS.append(name)
-            if name == stop_at:
+            if name == stop_at and CALLS.count(name) > answer_first:
                 raise Reached(name)
             return result(*args, **kwargs) if callable(result) else result
         call.__name__ = name
@@ -108,6 +111,43 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     torch.cuda.set_device = lambda device: None
     torch.cuda.get_device_capability = lambda device=None: (12, 0)
     _load_cudart()
+
+def load_plain_functions(path: str, name: str, log: list) -> types.ModuleType:
+    """A module ``name`` (in sys.modules) holding every undecorated function of the Python file
+    at ``path``, as written: SGLang's flashinfer_comm_fusion.py, whose imports pull in SGLang's
+    whole server, which its preflight does not use. The few names the preflight does use are
+    given here (the driver binding, with the stand-in in it; ``envs`` with no SGLANG_* variable
+    set); what it logs is appended to ``log``."""
+    import ast
+    import contextlib
+    import inspect
+    import logging
+    import platform
+    from typing import Optional
+
+    import torch
+    from cuda.bindings import driver
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            log.append(record.getMessage())
+
+    class Unset:
+        def __getattr__(self, variable):
+            return type("Var", (), {"get": lambda self: None})()
+
+    logger = logging.getLogger(name)
+    logger.addHandler(Handler())
+    tree = ast.parse(open(path).read())
+    body = ast.Module([n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.decorator_list], [])
+    module = types.ModuleType(name)
+    module.__dict__.update(envs=Unset(), torch=torch, logger=logger, Optional=Optional, contextlib=contextlib,
+                           inspect=inspect, platform=platform, get_cuda_driver_bindings=lambda: driver,
+                           ceil_align=lambda x, y: (x + y - 1) // y * y)
+    exec(compile(body, path, "exec"), module.__dict__)
+    sys.modules[name] = module
+    return module
+
 
 if __name__ == "__main__":  # python standin_driver.py -c CODE [ARGS...]: run CODE, which installs the stand-in
     code = sys.argv[2]

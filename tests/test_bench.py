@@ -250,3 +250,48 @@ def test_worker_reference_tolerance_and_inputs_on_cpu_torch(runtime_env):
     assert out["off"][1] > 1.0 and out["off"][0] == pytest.approx(0.5, abs=0.02)
     assert out["nan"] == float("inf")
     assert out["digest_same"] and out["digest_differs"]
+
+
+def test_a_server_that_would_fall_back_without_multicast_is_refused_with_the_reason_and_the_command():
+    """SGLang 0.5.11 with FlashInfer 0.6.8.post1 as released: on GPUs without multicast (or not
+    read) bench refuses before any GPU work, naming the server's own fall-back and the command
+    that applies the missing patches; on GPUs that report multicast it goes on (the workers then
+    create the workspace as the server does)."""
+    from types import SimpleNamespace
+
+    from packaging.version import Version
+
+    from sm120patch.distributions import load_registry
+    from sm120patch.fusionpath import judge
+
+    flashinfer = SimpleNamespace(raw_version="0.6.8.post1", version=Version("0.6.8.post1"))
+    server = judge(load_registry().get("sglang"), "0.5.11", Version("0.5.11"), flashinfer,
+                   {"sglang": frozenset({"fusion-gate"}), "flashinfer-python": frozenset({"jit-gate", "pdl-gates",
+                                                                                           "lamport-stride"})},
+                   apply_command="sm120patch apply --python /srv/env/bin/python")
+    assert server.missing == ("sglang:preflight-unicast", "flashinfer-python:unicast-workspace")
+    for multicast in (False, None):
+        with pytest.raises(RefusedError) as raised:
+            bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
+                            servers=[server], multicast=multicast)
+        assert raised.value.message.startswith("sglang 0.5.11 with flashinfer-python 0.6.8.post1 would not fuse")
+        assert "preflight probe failed" in raised.value.message
+        assert raised.value.hint == "run `sm120patch apply --python /srv/env/bin/python` first"
+    assert bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
+                           servers=[server], multicast=True) == 2
+    fused = server._replace(missing=())
+    assert bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
+                           servers=[fused], multicast=False) == 2
+
+
+def test_the_report_names_the_server_path_the_workers_followed():
+    report = _report({1: (5, 10)})
+    report.meta["server_paths"] = [
+        {"server": "sglang 0.5.14 with flashinfer-python 0.6.12", "workspace": "unified", "preflight": "passed"},
+        {"server": "sglang 0.5.9 with flashinfer-python 0.6.4", "workspace": "legacy", "preflight": None},
+    ]
+    lines = bench.render(report).splitlines()
+    assert ("server path: sglang 0.5.14 with flashinfer-python 0.6.12: FlashInfer's unified workspace created as the "
+            "server creates it; its own preflight: passed") in lines
+    assert "server path: sglang 0.5.9 with flashinfer-python 0.6.4: the legacy IPC workspace, the one bench itself uses" in lines
+    assert bench.to_json(report)["server_paths"] == report.meta["server_paths"]

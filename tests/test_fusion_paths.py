@@ -95,32 +95,14 @@ def test_flashinfer_unified_workspace_without_multicast_pristine_refuses_patched
 
 
 PREFLIGHT_SCRIPT = """
-import ast, json, logging, sys, tempfile
-from typing import Optional
+import json, sys, tempfile
 import standin_driver as sd
 sd.install(devices=2, multicast=sys.argv[2] == "multicast")
 import torch, torch.distributed as dist
-from cuda.bindings import driver
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-source = open(sys.argv[1]).read()
-# Every plain function the module defines, as it is (its imports pull in SGLang's server,
-# which the preflight does not use: its names are given below).
-module = ast.Module([n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.decorator_list], [])
 logged = []
-class Log(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logger = logging.getLogger("sglang-preflight")
-logger.addHandler(Log())
-import contextlib, inspect, platform
-class Unset:  # sglang.srt.environ.envs with no SGLANG_* variable set
-    def __getattr__(self, name):
-        return type("Var", (), {"get": lambda self: None})()
-namespace = {"envs": Unset(), "torch": torch, "logger": logger, "Optional": Optional, "get_cuda_driver_bindings": lambda: driver,
-             "contextlib": contextlib, "inspect": inspect, "platform": platform,
-             "ceil_align": lambda x, y: (x + y - 1) // y * y}
-exec(compile(module, sys.argv[1], "exec"), namespace)
-proceed = namespace["_preflight_check_workspace_memory"](2, 2048, 4096, torch.bfloat16, cpu_group=dist.group.WORLD)
+module = sd.load_plain_functions(sys.argv[1], "sglang_preflight", logged)
+proceed = module._preflight_check_workspace_memory(2, 2048, 4096, torch.bfloat16, cpu_group=dist.group.WORLD)
 print(json.dumps({"proceed": proceed, "calls": sd.CALLS, "log": logged}))
 """
 
@@ -209,3 +191,68 @@ def test_a_pair_that_falls_back_is_told_so_and_the_printed_command_makes_it_fuse
     assert after.exit_code == 0, after.output
     assert "enters fusion: workspace preflight" in after.output and "! fusion:" not in after.output
     assert sorted(env.record_mismatches()) == sorted([PREFLIGHT, COMMUNICATOR, *FLASHINFER_FILES])
+
+
+# bench's worker creating the workspace as the server does: SGLang 0.5.14's own preflight
+# (its functions, loaded as a module), then FlashInfer's unified call.
+BENCH_SCRIPT = """
+import json, sys, tempfile
+import standin_driver as sd
+sd.install(devices=2, stop_at="cuMemCreate", answer_first=3 if sys.argv[2] == "stop" else 10**6)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+logged = []
+sd.load_plain_functions(sys.argv[1], "sglang_preflight", logged)
+worker = {"__name__": "bench_worker"}
+exec(compile(open(sys.argv[3]).read(), sys.argv[3], "exec"), worker)
+paths = [{"server": "a server that does not import here", "workspace": "legacy", "preflight": "no_such_module:check"},
+         {"server": "sglang 0.5.14 with flashinfer-python 0.6.4", "workspace": "unified",
+          "preflight": "sglang_preflight:_preflight_check_workspace_memory"}][:int(sys.argv[4])]
+try:
+    outcome = worker["check_server_paths"](paths, 0, 2, 128, 4096, torch.bfloat16)
+except worker["Failure"] as failure:
+    outcome = "Failure " + failure.phase + ": " + failure.message
+except sd.Reached as reached:
+    outcome = "reached " + str(reached)
+print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
+"""
+
+
+def test_bench_creates_the_workspace_as_the_server_does_and_fails_where_the_server_would_fall_back(
+        fusion_env, wheel_cache, tmp_path):
+    from sm120patch import bench
+
+    pristine, patched = preflight_bytes("0.5.14", wheel_cache)
+    (tmp_path / "pristine.py").write_bytes(pristine)
+    (tmp_path / "patched.py").write_bytes(patched)
+    worker = str(bench.WORKER)
+
+    refused = run_standin(fusion_env, BENCH_SCRIPT, str(tmp_path / "pristine.py"), "go", worker, "2")
+    assert refused["outcome"] == ("Failure server-path: sglang 0.5.14 with flashinfer-python 0.6.4: its own workspace "
+                                  "preflight (sglang_preflight:_preflight_check_workspace_memory) skips fusion on these "
+                                  "GPUs (the server would serve unfused; its log line is above)"), refused
+    assert any("Skipping allreduce fusion" in line for line in refused["log"])
+
+    # SGLang patched, FlashInfer 0.6.4 as released: past the preflight, FlashInfer refuses.
+    past_preflight = run_standin(fusion_env, BENCH_SCRIPT, str(tmp_path / "patched.py"), "go", worker, "2")
+    assert past_preflight["outcome"].startswith("Failure server-path: sglang 0.5.14 with flashinfer-python 0.6.4: "
+                                                "FlashInfer's create_allreduce_fusion_workspace")
+    assert past_preflight["outcome"].endswith("RuntimeError: [SymmDeviceMemory] Device does not support multicasting.")
+
+    # A server whose preflight does not import in this interpreter: said, not run, not a failure.
+    alone = run_standin(fusion_env, BENCH_SCRIPT, str(tmp_path / "patched.py"), "go", worker, "1")
+    assert alone["outcome"] == [{"server": "a server that does not import here", "workspace": "legacy",
+                                 "preflight": "not importable in this interpreter (ModuleNotFoundError: No module "
+                                              "named 'no_such_module'): not run"}]
+
+    session = Session(fusion_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    try:
+        fused = run_standin(fusion_env, BENCH_SCRIPT, str(tmp_path / "patched.py"), "stop", worker, "2")
+    finally:
+        assert session("revert", "--flashinfer").exit_code == 0
+    # The preflight probes its three buffers (answered), then FlashInfer's own allocation begins
+    # (where the stand-in stops), with no multicast call anywhere.
+    assert fused["outcome"] == "reached cuMemCreate" and fused["calls"].count("cuMemCreate") == 4, fused
+    assert not [c for c in fused["calls"] if c.startswith("cuMulticast")]
+    assert fused["log"] == []

@@ -1,5 +1,8 @@
 # Runs inside the *target* interpreter, one process per GPU, for `sm120patch bench`: the
-# server's own torch and FlashInfer, nothing from sm120patch. For every shape it checks
+# server's own torch and FlashInfer, nothing from sm120patch. First it creates the workspace the
+# way each installed server does (its own preflight where it has one and it imports, then the
+# same FlashInfer call with the same arguments), so that a box where the server would fall back
+# to unfused allreduce fails here with the reason. Then, for every shape, it checks
 # FlashInfer's fused allreduce + residual add + RMSNorm (the call SGLang makes) against an
 # NCCL allreduce followed by a reference RMSNorm in float32, then times the fused call against
 # the unfused pair (NCCL allreduce + FlashInfer's fused_add_rmsnorm), in CUDA graphs where they
@@ -12,6 +15,7 @@
 # torch.distributed is initialised from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (env://).
 # Python 3.8+, so no newer syntax.
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -35,6 +39,45 @@ def last_line(exc):
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return "%s: %s" % (type(exc).__name__, lines[-1] if lines else "")
+
+
+def check_server_paths(paths, rank, world, max_tokens, hidden, dtype):
+    """Create the fusion workspace as each server in ``paths`` does (config "server_paths": the
+    server, its FlashInfer call, its own preflight as "module:function"); a Failure names the
+    server and what refused. Returns one result per path, for the report."""
+    import torch.distributed as dist
+
+    results, cpu_group = [], None
+    for path in paths:
+        entry = {"server": path["server"], "workspace": path["workspace"], "preflight": None}
+        if path.get("preflight"):
+            module_name, function_name = path["preflight"].split(":")
+            try:
+                function = getattr(importlib.import_module(module_name), function_name)
+            except Exception as exc:  # noqa: BLE001 - a server that does not import here
+                entry["preflight"] = "not importable in this interpreter (%s): not run" % last_line(exc)
+            else:
+                if cpu_group is None:  # the server votes on a CPU group too
+                    cpu_group = dist.new_group(backend="gloo")
+                if not function(world, max_tokens, hidden, dtype, cpu_group=cpu_group):
+                    raise Failure("server-path", "%s: its own workspace preflight (%s) skips fusion on these GPUs "
+                                  "(the server would serve unfused; its log line is above)"
+                                  % (path["server"], path["preflight"]))
+                entry["preflight"] = "passed"
+        if path["workspace"] == "unified":
+            import flashinfer.comm as comm
+
+            try:
+                workspace = comm.create_allreduce_fusion_workspace(
+                    backend="trtllm", world_size=world, rank=rank, max_token_num=max_tokens, hidden_dim=hidden,
+                    dtype=dtype)
+            except Exception as exc:  # noqa: BLE001
+                raise Failure("server-path", "%s: FlashInfer's create_allreduce_fusion_workspace(backend=\"trtllm\"), "
+                              "called as the server calls it, failed (the server would serve unfused): %s"
+                              % (path["server"], last_line(exc)))
+            getattr(workspace, "destroy", lambda: None)()
+        results.append(entry)
+    return results
 
 
 def tolerance_ok(out, ref, atol, rtol):
@@ -163,6 +206,9 @@ def main(config, rank, world, out_dir):
 
     tokens_list, hidden_list = config["tokens"], config["hidden"]
     max_tokens, max_hidden = max(tokens_list), max(hidden_list)
+    emit(event="stage", text="creating the fusion workspace as the installed server does")
+    server_paths = check_server_paths(config.get("server_paths", []), rank, world, max_tokens, max_hidden, dtype)
+    dist.barrier(group=group)
     try:
         workspace = trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(
             rank, world, max_tokens, max_hidden, use_fp32_lamport=False, group=group)
@@ -260,6 +306,7 @@ def main(config, rank, world, out_dir):
             "capability": "%d.%d" % (props.major, props.minor),
             "world_size": world,
             "dtype": config["dtype"],
+            "server_paths": server_paths,
             "cases": results,
         }
         path = os.path.join(out_dir, "result.json")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, TargetError, UsageError
+from sm120patch.fusionpath import FusionVerdict
 
 # trtllm_allreduce_fusion refuses any other world size ("Supported ranks: 2, 4, 8, 16").
 SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
@@ -137,8 +138,11 @@ def parse_int_list(text: str, *, option: str, minimum: int, maximum: int, multip
 
 
 def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: str | None,
-              aot_shadows: Sequence[str] = ()) -> int:
-    """Every reason the run cannot start, as one clear error; returns the world size."""
+              aot_shadows: Sequence[str] = (), servers: Sequence[FusionVerdict] = (),
+              multicast: bool | None = None) -> int:
+    """Every reason the run cannot start, as one clear error; returns the world size.
+    ``servers``: each installed server's path past the gate; ``multicast``: whether the GPUs
+    report multicast (None: the driver was not read)."""
     python = request.python
     if target.torch is None:
         raise TargetError(f"torch is not importable in {python} ({target.torch_error}): bench runs in the "
@@ -180,6 +184,11 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
                 "or runs an empty kernel",
                 hint=f"run `sm120patch apply --python {python}` first",
             )
+    if multicast is not True:  # the workers would see the fall-back too; say why before any GPU work
+        for server in servers:
+            if server.enters is False:
+                raise RefusedError(f"{server.server} with {server.with_} would not fuse on these GPUs (no multicast): "
+                                   f"{server.path.without}", hint=f"run `{server.apply_command}` first")
     return tp
 
 
@@ -298,16 +307,25 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     """The whole command: ask the target what it has, refuse what cannot run, run the workers."""
     from dataclasses import replace
 
-    from sm120patch import pipeline
+    from sm120patch import driver, pipeline
+    from sm120patch.distributions import load_registry
 
+    registry = load_registry(full=False)
+    # Every installed distribution: the one whose kernels bench runs, and the servers whose
+    # workspace path it follows.
     status = pipeline.status(pipeline.Request(python=str(request.python) if request.python else None,
-                                              selectors={"flashinfer-python": pipeline.ANY},
-                                              jit_base=str(request.jit_base) if request.jit_base else None))
+                                              jit_base=str(request.jit_base) if request.jit_base else None), registry)
+    kernels = next((d.name for d in registry if d.jit_module), None)
+    tree = next((t for t in status.trees if t.distribution.name == kernels), None)
+    if tree is None:
+        raise UsageError(f"{kernels} is not installed in {status.target}")
     target = probe_target(Path(status.target))
-    verdict = next((t.assessment.verdict.value for t in status.trees), None)
     request = replace(request, python=Path(status.target))
-    world_size = preflight(request, target, flashinfer_verdict=verdict, aot_shadows=[s.path for s in status.aot])
-    return run(request, world_size=world_size, on_event=on_event)
+    servers = [t.fusion for t in status.trees if t.fusion is not None and t.fusion.path is not None]
+    world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
+                           aot_shadows=[s.path for s in status.aot], servers=servers,
+                           multicast=driver.query().multicast)
+    return run(request, world_size=world_size, on_event=on_event, servers=servers)
 
 
 def _free_port() -> int:
@@ -343,7 +361,8 @@ def _classify(error: dict, python: Path, world_size: int) -> Sm120PatchError:
     return CheckFailedError(f"the {error['phase']} step failed{where}: {message}")
 
 
-def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], None] | None = None) -> BenchReport:
+def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], None] | None = None,
+        servers: Sequence[FusionVerdict] = ()) -> BenchReport:
     """Start one worker per GPU in the target interpreter, follow their progress, and collect
     the result; hangs and crashes become one clear error (every worker is stopped)."""
     atol, rtol = TOLERANCE[request.dtype]
@@ -353,6 +372,8 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
         "strategies": strategies, "check_only": request.check_only, "seed": request.seed,
         "eps": RMS_EPS, "atol": atol, "rtol": rtol,
         "reps": request.reps, "inner": request.inner, "warmup": request.warmup,
+        "server_paths": [{"server": f"{s.server} with {s.with_}", "workspace": s.path.workspace,
+                          "preflight": s.path.preflight} for s in servers],
     }
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
@@ -482,6 +503,8 @@ def render(report: BenchReport) -> str:
         f"check: fused allreduce + residual + RMSNorm vs NCCL allreduce + float32 RMSNorm, "
         f"|err| <= {report.atol:g} + {report.rtol:g}·|ref| (norm and residual outputs, every rank)",
     ]
+    for path in meta.get("server_paths", ()):
+        lines.append(f"server path: {path['server']}: " + _server_path_text(path))
     timed = report.timed
     for series in report.series():
         lines.append("")
@@ -520,6 +543,12 @@ def render(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def _server_path_text(path: dict) -> str:
+    made = ("FlashInfer's unified workspace created as the server creates it" if path["workspace"] == "unified"
+            else "the legacy IPC workspace, the one bench itself uses")
+    return made + (f"; its own preflight: {path['preflight']}" if path.get("preflight") else "")
+
+
 def to_json(report: BenchReport) -> dict:
     recommendation = report.recommendation()
     return {
@@ -528,6 +557,7 @@ def to_json(report: BenchReport) -> dict:
         "dtype": report.request.dtype,
         **{k: report.meta.get(k) for k in ("flashinfer", "torch", "cuda", "nccl", "device", "capability")},
         "tolerance": {"atol": report.atol, "rtol": report.rtol},
+        "server_paths": report.meta.get("server_paths", []),
         "ok": not report.failed,
         "cases": [dict(c.__dict__, speedup=c.speedup) for c in report.cases],
         "recommendation": None if recommendation is None else {

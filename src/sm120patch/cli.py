@@ -398,9 +398,11 @@ def doctor(python, jit_cache_base, as_json):
              epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
                             "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168"],
                            [(0, "every shape matched the reference (and was timed)"),
-                            (1, "a fused result differs from the reference, or the kernel crashed or hung"),
+                            (1, "a fused result differs from the reference, the kernel crashed or hung, or the "
+                                "workspace created as the installed server creates it was refused"),
                             (2, "the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses"),
-                            (3, "refused: FlashInfer is not patched for the SM120 GPUs in use (run `sm120patch apply`)"),
+                            (3, "refused: FlashInfer is not patched for the SM120 GPUs in use, or an installed server "
+                                "would not fuse on GPUs without multicast (run `sm120patch apply`)"),
                             INTERRUPTED]))
 @python_option
 @click.option("--tp", type=int, default=None, metavar="N", help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
@@ -415,8 +417,9 @@ def doctor(python, jit_cache_base, as_json):
 @jit_option
 @json_option
 def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_base, as_json):
-    """Check FlashInfer's fused allreduce + residual + RMSNorm against NCCL + RMSNorm on this
-    machine's GPUs, then time fused against unfused and recommend a setting.
+    """Create the fusion workspace the way the installed server does, check FlashInfer's fused
+    allreduce + residual + RMSNorm against NCCL + RMSNorm on this machine's GPUs, then time fused
+    against unfused and recommend a setting.
 
     Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
     builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""

@@ -21,6 +21,9 @@ from sm120patch.errors import PatchDataError
 from sm120patch.patchsets import PatchSet, parse_patch_set, parse_version, read_toml
 
 LEVELS = ("info", "warn")
+# How a server creates FlashInfer's fusion workspace: trtllm_create_ipc_workspace_for_all_reduce_fusion
+# (legacy) or create_allreduce_fusion_workspace(backend="trtllm") (unified).
+WORKSPACE_CALLS = ("legacy", "unified")
 ANY = ""  # a selector given without a version (--flashinfer alone): whatever release is installed
 
 
@@ -68,7 +71,9 @@ class FusionPath(NamedTuple):
 
     versions: SpecifierSet
     with_: SpecifierSet
+    workspace: str  # one of WORKSPACE_CALLS: the FlashInfer call the server makes
     path: str
+    preflight: str | None = None  # "module:function": the server's own check before that call
     needs: tuple[tuple[str, str], ...] = ()
     without: str = ""
 
@@ -353,6 +358,12 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         fwhere = f"{where}: fusion_path #{index + 1}"
         if not all(isinstance(raw.get(key), str) for key in ("versions", "with", "path")):
             raise PatchDataError(f"{fwhere}: needs versions and with (version specifiers) and path")
+        if raw.get("workspace") not in WORKSPACE_CALLS:
+            raise PatchDataError(f"{fwhere}: workspace must be one of {', '.join(WORKSPACE_CALLS)}")
+        preflight = _optional_str(raw, "preflight", fwhere)
+        module, _, function = (preflight or "").partition(":")
+        if preflight is not None and not (all(p.isidentifier() for p in module.split(".")) and function.isidentifier()):
+            raise PatchDataError(f"{fwhere}: preflight names module:function, not {preflight!r}")
         needs = []
         for item in _str_list(raw, "needs", fwhere):
             owner, _, patch_id = item.partition(":")
@@ -361,8 +372,8 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
             needs.append((owner, patch_id))
         if needs and not isinstance(raw.get("without"), str):
             raise PatchDataError(f"{fwhere}: a path that needs patches says what happens without them (without)")
-        paths.append(FusionPath(_specifier(raw["versions"], fwhere), _specifier(raw["with"], fwhere), raw["path"],
-                                tuple(needs), raw.get("without", "")))
+        paths.append(FusionPath(_specifier(raw["versions"], fwhere), _specifier(raw["with"], fwhere), raw["workspace"],
+                                raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
     if paths and not fusion_with:
         raise PatchDataError(f"{where}: fusion_path rows need fusion_with (the distribution whose release they also depend on)")
