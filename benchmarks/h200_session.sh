@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_session.sh warm      # apply --build: its time, and the first use after it
 #   bash benchmarks/h200_session.sh owner     # root runs apply --build for nobody's cache base, on a tty
 #   bash benchmarks/h200_session.sh gpu-test  # the test suite's GPU test (pytest -m gpu), with this venv
+#   bash benchmarks/h200_session.sh unicast   # doctor's driver reading; SymmDeviceMemory without multicast, pristine/patched
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -24,6 +25,15 @@ sm120patch() { python3 -m sm120patch "$@"; }
 build_and_load() { FLASHINFER_CUDA_ARCH_LIST="$1" FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/trtllm_comm_build_and_load.py; }
 
 case "${1:-build}" in
+unicast)
+    # Multicast is reported absent inside the test process only; no cuMulticast* call reaches the driver.
+    step sm120patch doctor "${P[@]}" 2>&1 | tee "$OUT/doctor.txt"
+    step /tmp/env/bin/python benchmarks/unicast_workspace_gpu.py | tee "$OUT/unicast-pristine.json"
+    step sm120patch apply "${P[@]}"
+    step /tmp/env/bin/python benchmarks/unicast_workspace_gpu.py | tee "$OUT/unicast-patched.json"
+    step sm120patch revert "${P[@]}"
+    step sm120patch status "${P[@]}"
+    ;;
 build)
     step nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,pci.bus_id --format=csv
     step sm120patch doctor "${P[@]}" 2>&1 | tee "$OUT/doctor.txt"

@@ -12,7 +12,10 @@ answering (after answering its first ``answer_first`` calls): the server's decis
 made by then (every check passed, the unicast allocation begins), and past it real memory
 would be needed.
 
-Used by tests/test_fusion_paths.py in a subprocess (``python standin_driver.py -c CODE``)."""
+Used by tests/test_fusion_paths.py in a subprocess (``python standin_driver.py -c CODE``), and
+with ``real=True`` by benchmarks/unicast_workspace_gpu.py on a real GPU: there only the multicast
+answers are replaced (the attribute reads 0, every cuMulticast* is refused without reaching
+the driver: never send one to a shared host) and everything else is the real driver."""
 
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ def _load_cudart() -> None:
     raise SystemExit("stand-in driver: no libcudart under $CUDA_HOME or /usr/local/cuda")
 
 
-def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None, answer_first: int = 0) -> None:
+def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = None, answer_first: int = 0,
+            real: bool = False) -> None:
     from cuda.bindings import driver
 
     ok = driver.CUresult.CUDA_SUCCESS
@@ -71,7 +75,11 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
         call.__name__ = name
         return call
 
+    real_attribute = driver.cuDeviceGetAttribute
+
     def attribute(which, device):
+        if real and which != attr.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED:
+            return real_attribute(which, device)
         return ok, answers.get(which, 0)
 
     def refuse_multicast(*args, **kwargs):
@@ -81,8 +89,12 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     for name in dir(driver):
         if name.startswith("cuMulticast"):
             replaced[name] = refuse_multicast
-    if multicast:  # an NVSwitch box: its granularity is a fact like any other
+    if multicast and not real:  # an NVSwitch box: its granularity is a fact like any other
         replaced["cuMulticastGetGranularity"] = (ok, 2 * MIB)
+    if real:
+        for name, result in replaced.items():
+            setattr(driver, name, record(name, result))
+        return
     handle = iter(range(0x1000, 0x10000))
     replaced.update({
         "cuInit": (ok,),
@@ -111,6 +123,24 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     torch.cuda.set_device = lambda device: None
     torch.cuda.get_device_capability = lambda device=None: (12, 0)
     _load_cudart()
+
+def stop_at_runtime_allocations() -> None:
+    """Past the driver, the two other ways FlashInfer allocates a workspace: CUDA IPC buffers
+    through the runtime (its ``cuda_ipc.cudart.cudaMalloc``) and torch symmetric memory
+    (``torch.distributed._symmetric_memory.empty``). Each raises :class:`Reached` when called (the
+    decision is made by then), after FlashInfer is imported."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from flashinfer.comm import cuda_ipc
+
+    def stop(name):
+        def call(*args, **kwargs):
+            CALLS.append(name)
+            raise Reached(name)
+        return call
+
+    cuda_ipc.cudart.cudaMalloc = stop("cudaMalloc")
+    symm_mem.empty = stop("torch symmetric memory")
+
 
 def load_plain_functions(path: str, name: str, log: list) -> types.ModuleType:
     """A module ``name`` (in sys.modules) holding every undecorated function of the Python file

@@ -43,11 +43,14 @@ def fusion_env(runtime_env):
     return runtime_env
 
 
-def run_standin(env, script: str, *args: str) -> dict:
-    """Run ``script`` in the serving interpreter under the stand-in driver; it prints one JSON line."""
+def run_standin(env, script: str, *args: str, pythonpath: str | None = None) -> dict:
+    """Run ``script`` in the serving interpreter under the stand-in driver; it prints one JSON
+    line. ``pythonpath``: a directory put before the environment's site-packages."""
     environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home)}
     if os.environ.get("CUDA_HOME"):
         environ["CUDA_HOME"] = os.environ["CUDA_HOME"]
+    if pythonpath:
+        environ["PYTHONPATH"] = pythonpath
     proc = subprocess.run([str(env.python), str(STANDIN), "-c", script, *args], capture_output=True, text=True,
                           timeout=300, env=environ)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -73,6 +76,70 @@ except Exception as exc:
     outcome = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"outcome": outcome, "calls": sd.CALLS}))
 """
+
+
+PATHS_SCRIPT = """
+import json, sys, tempfile
+import standin_driver as sd
+sd.install(devices=2, stop_at="cuMemCreate")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import flashinfer, flashinfer.comm as comm
+from flashinfer.comm import trtllm_ar
+sd.stop_at_runtime_allocations()
+try:
+    if sys.argv[1] == "legacy":  # as SGLang <= 0.5.9 and vLLM <= 0.16 call it
+        trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(0, 2, 128, 4096, group=dist.group.WORLD)
+    else:
+        comm.create_allreduce_fusion_workspace(backend="trtllm", world_size=2, rank=0, max_token_num=128,
+                                               hidden_dim=4096, dtype=torch.bfloat16)
+    outcome = "returned"
+except sd.Reached as exc:
+    outcome = "reached " + str(exc)
+except Exception as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+print(json.dumps({"flashinfer": flashinfer.__version__, "outcome": outcome, "calls": sd.CALLS}))
+"""
+# What FlashInfer 0.6.12's comm package imports beyond the runtime environment (its own
+# requirements; triton is imported by a module the package loads).
+RELEASE_EXTRAS = {"0.6.12": ["cuda-tile", "triton"], "0.6.16.post4": []}
+
+
+@pytest.fixture(scope="session")
+def flashinfer_release(fusion_env, wheel_cache, tmp_path_factory):
+    """Another FlashInfer release for the runtime environment's interpreter: a --target
+    directory (the real wheel, no dependencies, plus what its comm package imports) put first
+    on PYTHONPATH; one per release and test session."""
+    made = {}
+
+    def get(version: str) -> Path:
+        if version not in made:
+            target = tmp_path_factory.mktemp(f"flashinfer-{version}")
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                            "--disable-pip-version-check", "--target", str(target),
+                            str(fetch_wheel("flashinfer-python", version, wheel_cache)), *RELEASE_EXTRAS[version]],
+                           check=True)
+            made[version] = target
+        return made[version]
+
+    return get
+
+
+@pytest.mark.parametrize("version, call, stop", [
+    ("0.6.4", "legacy", "cudaMalloc"),  # CUDA IPC buffers: nothing asks about multicast
+    ("0.6.12", "unified", "torch symmetric memory"),  # 0.6.10-0.6.14: torch decides, per rank
+    ("0.6.12", "legacy", "torch symmetric memory"),
+    ("0.6.16.post4", "unified", "cuMemCreate"),  # upstream's unicast SymmDeviceMemory (PR #3745)
+])
+def test_each_flashinfer_workspace_path_reaches_its_allocation_without_multicast(fusion_env, flashinfer_release,
+                                                                                version, call, stop):
+    """The paths that need no patch on a GPU without multicast: each gets to its first
+    allocation, with no cuMulticast* call on the way."""
+    pythonpath = None if version == "0.6.4" else str(flashinfer_release(version))
+    result = run_standin(fusion_env, PATHS_SCRIPT, call, pythonpath=pythonpath)
+    assert result["flashinfer"] == version
+    assert result["outcome"] == f"reached {stop}", result
+    assert [c for c in result["calls"] if c.startswith("cuMulticast")] == []
 
 
 def test_flashinfer_unified_workspace_without_multicast_pristine_refuses_patched_allocates(fusion_env):
