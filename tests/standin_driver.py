@@ -142,42 +142,71 @@ def stop_at_runtime_allocations() -> None:
     symm_mem.empty = stop("torch symmetric memory")
 
 
-def load_plain_functions(path: str, name: str, log: list) -> types.ModuleType:
-    """A module ``name`` (in sys.modules) holding every undecorated function of the Python file
-    at ``path``, as written: SGLang's flashinfer_comm_fusion.py, whose imports pull in SGLang's
-    whole server, which its preflight does not use. The few names the preflight does use are
-    given here (the driver binding, with the stand-in in it; ``envs`` with no SGLANG_* variable
-    set); what it logs is appended to ``log``."""
+def load_plain_functions(path: str, name: str, log: list, names: dict | None = None) -> types.ModuleType:
+    """A module ``name`` (in sys.modules) holding the functions and classes of the Python file at
+    ``path``, as written (those without decorators, or only contextlib's), and its module-level
+    literals (``_workspace = None``): a server's
+    module whose imports pull in the whole server (SGLang's flashinfer_comm_fusion.py, vLLM's
+    flashinfer_all_reduce.py), which the functions under test do not use. The few names they do
+    use are given: the driver binding (with the stand-in in it), the real ``flashinfer.comm``
+    where it imports, SGLang's ``envs`` with no SGLANG_* variable set, and then ``names`` (after
+    the file's own literals, which they may replace); what they log (vLLM's ``*_once`` calls
+    too) is appended to ``log``."""
     import ast
     import contextlib
     import inspect
     import logging
     import platform
+    import random
     from typing import Optional
 
     import torch
+    import torch.distributed as dist
     from cuda.bindings import driver
 
     class Handler(logging.Handler):
         def emit(self, record):
             log.append(record.getMessage())
 
+    class Logger(logging.Logger):
+        def warning_once(self, *args, **kwargs):
+            self.warning(*args, **kwargs)
+
+        def info_once(self, *args, **kwargs):
+            self.info(*args, **kwargs)
+
+        def debug_once(self, *args, **kwargs):
+            self.debug(*args, **kwargs)
+
     class Unset:
         def __getattr__(self, variable):
             return type("Var", (), {"get": lambda self: None})()
 
-    logger = logging.getLogger(name)
+    logger = Logger(name, level=logging.INFO)
     logger.addHandler(Handler())
     tree = ast.parse(open(path).read())
-    body = ast.Module([n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.decorator_list], [])
+    literal = (ast.Constant, ast.Dict, ast.List)
+    plain_decorators = {"contextlib.contextmanager", "contextmanager"}
+    body = ast.Module([n for n in tree.body
+                       if (isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                           and all(ast.unparse(d) in plain_decorators for d in n.decorator_list))
+                       or (isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, literal)
+                           and not getattr(n.value, "keys", getattr(n.value, "elts", None)))], [])
     module = types.ModuleType(name)
-    module.__dict__.update(envs=Unset(), torch=torch, logger=logger, Optional=Optional, contextlib=contextlib,
-                           inspect=inspect, platform=platform, get_cuda_driver_bindings=lambda: driver,
-                           ceil_align=lambda x, y: (x + y - 1) // y * y)
+    module.__dict__.update(envs=Unset(), torch=torch, dist=dist, logger=logger, Optional=Optional,
+                           contextlib=contextlib, inspect=inspect, platform=platform, os=os, random=random,
+                           get_cuda_driver_bindings=lambda: driver, ceil_align=lambda x, y: (x + y - 1) // y * y)
+    try:
+        import flashinfer.comm as flashinfer_comm
+        from flashinfer.comm.mnnvl import TorchDistBackend
+    except ImportError:
+        pass
+    else:
+        module.__dict__.update(flashinfer_comm=flashinfer_comm, TorchDistBackend=TorchDistBackend)
     exec(compile(body, path, "exec"), module.__dict__)
+    module.__dict__.update(names or {})
     sys.modules[name] = module
     return module
-
 
 if __name__ == "__main__":  # python standin_driver.py -c CODE [ARGS...]: run CODE, which installs the stand-in
     code = sys.argv[2]

@@ -323,3 +323,110 @@ def test_bench_creates_the_workspace_as_the_server_does_and_fails_where_the_serv
     assert fused["outcome"] == "reached cuMemCreate" and fused["calls"].count("cuMemCreate") == 4, fused
     assert not [c for c in fused["calls"] if c.startswith("cuMulticast")]
     assert fused["log"] == []
+
+
+# vLLM's own workspace manager (vllm/distributed/device_communicators/flashinfer_all_reduce.py,
+# 0.19+), its functions loaded as a module, called as the fusion pass calls it on one node.
+VLLM_SCRIPT = """
+import json, sys, tempfile, types
+import standin_driver as sd
+sd.install(devices=2, stop_at="cuMemCreate")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+logged = []
+# VLLM_FLASHINFER_ALLREDUCE_BACKEND at its default; VLLM_ALLREDUCE_USE_FLASHINFER (0.29+) off: it
+# only sizes plain allreduces from a capability table, which the workspace path does not need.
+envs = types.SimpleNamespace(VLLM_FLASHINFER_ALLREDUCE_BACKEND="auto", VLLM_ALLREDUCE_USE_FLASHINFER=False)
+manager = sd.load_plain_functions(sys.argv[1], "vllm_fi_ar", logged,
+                                  {"envs": envs, "get_node_count": lambda *a, **k: 1, "_node_count": lambda *a, **k: 1})
+try:
+    workspace = manager.get_fi_ar_workspace(2, 0, 128, 4096, torch.bfloat16, dist.group.WORLD)
+    outcome = "returned " + ("None" if workspace is None else "a workspace")
+except sd.Reached as exc:
+    outcome = "reached " + str(exc)
+except Exception as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
+"""
+MANAGER = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
+
+
+def vllm_manager(version: str, wheel_cache, tmp_path) -> str:
+    import zipfile
+
+    path = tmp_path / f"vllm-{version}-flashinfer_all_reduce.py"
+    path.write_bytes(zipfile.ZipFile(fetch_wheel("vllm", version, wheel_cache)).read(MANAGER))
+    return str(path)
+
+
+def test_vllm_019_manager_without_multicast_falls_back_with_flashinfer_as_released_and_fuses_patched(
+        fusion_env, wheel_cache, tmp_path):
+    """vLLM 0.19.0 (backend auto -> trtllm on one node) with FlashInfer 0.6.4: as released, vLLM's
+    own manager catches FlashInfer's refusal and returns no workspace ("expected on GPUs without
+    NVSwitch"); with unicast-workspace it reaches FlashInfer's unicast allocation."""
+    manager = vllm_manager("0.19.0", wheel_cache, tmp_path)
+    pristine = run_standin(fusion_env, VLLM_SCRIPT, manager)
+    assert pristine["outcome"] == "returned None", pristine
+    assert any("expected on GPUs without NVSwitch" in line for line in pristine["log"]), pristine["log"]
+
+    session = Session(fusion_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    try:
+        patched = run_standin(fusion_env, VLLM_SCRIPT, manager)
+    finally:
+        assert session("revert", "--flashinfer").exit_code == 0
+    assert patched["outcome"] == "reached cuMemCreate", patched
+    assert [c for c in patched["calls"] if c.startswith("cuMulticast")] == []
+
+
+def test_vllm_029_manager_tries_mnnvl_then_falls_back_to_trtllm_without_multicast(
+        fusion_env, flashinfer_release, wheel_cache, tmp_path):
+    """vLLM 0.29.0 (backend auto tries mnnvl first) with FlashInfer 0.6.16.post4: mnnvl fails
+    without multicast, vLLM says so and falls back to trtllm, which reaches its unicast allocation:
+    nothing to patch, as the map says."""
+    result = run_standin(fusion_env, VLLM_SCRIPT, vllm_manager("0.29.0", wheel_cache, tmp_path),
+                         pythonpath=str(flashinfer_release("0.6.16.post4")))
+    assert result["outcome"] == "reached cuMemCreate", result
+    assert any("falling back to trtllm" in line for line in result["log"]), result["log"]
+
+
+# SGLang 0.5.10's own workspace manager (no preflight yet), called as ensure_workspace_initialized
+# calls it.
+SGLANG_0510_SCRIPT = """
+import json, sys, tempfile
+import standin_driver as sd
+sd.install(devices=2, stop_at="cuMemCreate")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+import flashinfer.comm
+logged = []
+module = sd.load_plain_functions(sys.argv[1], "sglang_fusion", logged, {"_flashinfer_comm": flashinfer.comm})
+manager = module.FlashInferWorkspaceManager()
+try:
+    manager.initialize(2, 0, 128, 4096, torch.bfloat16)
+    outcome = "fusion off" if module._flashinfer_allreduce_unavailable else "initialized"
+except sd.Reached as exc:
+    outcome = "reached " + str(exc)
+print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
+"""
+
+
+def test_sglang_0510_manager_without_multicast_turns_fusion_off_as_released_and_allocates_patched(
+        fusion_env, wheel_cache, tmp_path):
+    import zipfile
+
+    path = tmp_path / "sglang-0.5.10-flashinfer_comm_fusion.py"
+    path.write_bytes(zipfile.ZipFile(fetch_wheel("sglang", "0.5.10", wheel_cache)).read(PREFLIGHT))
+    pristine = run_standin(fusion_env, SGLANG_0510_SCRIPT, str(path))
+    assert pristine["outcome"] == "fusion off", pristine
+    assert pristine["log"] == ["Failed to initialize FlashInfer workspace: [SymmDeviceMemory] Device does not support "
+                               "multicasting.. Disabling flashinfer allreduce fusion permanently."]
+
+    session = Session(fusion_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    try:
+        patched = run_standin(fusion_env, SGLANG_0510_SCRIPT, str(path))
+    finally:
+        assert session("revert", "--flashinfer").exit_code == 0
+    assert patched["outcome"] == "reached cuMemCreate", patched
+    assert [c for c in patched["calls"] if c.startswith("cuMulticast")] == []
