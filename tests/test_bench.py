@@ -293,5 +293,6 @@ def test_the_report_names_the_server_path_the_workers_followed():
     lines = bench.render(report).splitlines()
     assert ("server path: sglang 0.5.14 with flashinfer-python 0.6.12: FlashInfer's unified workspace created as the "
             "server creates it; its own preflight: passed") in lines
-    assert "server path: sglang 0.5.9 with flashinfer-python 0.6.4: the legacy IPC workspace, the one bench itself uses" in lines
+    assert ("server path: sglang 0.5.9 with flashinfer-python 0.6.4: the legacy call "
+            "(trtllm_create_ipc_workspace_for_all_reduce_fusion), the one bench itself makes") in lines
     assert bench.to_json(report)["server_paths"] == report.meta["server_paths"]

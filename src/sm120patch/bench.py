@@ -545,7 +545,7 @@ def render(report: BenchReport) -> str:
 
 def _server_path_text(path: dict) -> str:
     made = ("FlashInfer's unified workspace created as the server creates it" if path["workspace"] == "unified"
-            else "the legacy IPC workspace, the one bench itself uses")
+            else "the legacy call (trtllm_create_ipc_workspace_for_all_reduce_fusion), the one bench itself makes")
     return made + (f"; its own preflight: {path['preflight']}" if path.get("preflight") else "")
 
 
