@@ -4,11 +4,13 @@ interpreter) and compile (nvcc PTX) checks, failing before apply and passing aft
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from helpers import Session, changed, need, tree_snapshot
+import sm120patch as sm120patch_module
 from sm120patch.errors import ExitCode
 from sm120patch.ptx import find_nvcc
 from sm120patch.semantics import CHECKS
@@ -98,6 +100,27 @@ def test_runtime_and_compile_verify_fail_before_apply_and_pass_after(runtime_env
         assert "-gencode=arch=compute_120a,code=sm_120a" in runtime["detail"]
         assert found[("compile", "sm_90a PTX unchanged")]["detail"] == "byte-identical to the release header's PTX"
         assert found[("compile", "sm_100a PTX unchanged")]["ok"] is True
+        # FlashInfer's comm package needs the CUDA runtime loaded (no GPU here): the import of
+        # the patched mnnvl.py cannot run, which says nothing about the patch.
+        mnnvl = found[("runtime", "import flashinfer.comm.mnnvl")]
+        assert mnnvl["ok"] is None and "raised while its packages import" in mnnvl["detail"], mnnvl
     finally:
         assert session("revert").exit_code == 0
     assert runtime_env.record_mismatches() == []
+
+
+def test_the_import_check_blames_a_patched_module_only_for_its_own_errors(runtime_env, tmp_path):
+    """A module whose own code fails (a patch's missing import) is an error; one whose package
+    fails before it runs (FlashInfer's comm package without the CUDA runtime) cannot be checked."""
+    (tmp_path / "package").mkdir()
+    (tmp_path / "package" / "__init__.py").write_text("")
+    (tmp_path / "package" / "patched.py").write_text("flag = is_sm120_supported()\n")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "__init__.py").write_text("assert False, 'libcudart is not loaded in the current process'\n")
+    (tmp_path / "broken" / "patched.py").write_text("")
+    probe = Path(sm120patch_module.__file__).with_name("_runtime_probe.py")
+    proc = subprocess.run([str(runtime_env.python), str(probe), json.dumps({"modules": ["package.patched", "broken.patched"]})],
+                          capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    modules = json.loads(proc.stdout.strip().splitlines()[-1])["modules"]
+    assert modules["package.patched"] == {"error": "NameError: name 'is_sm120_supported' is not defined"}
+    assert "skipped" in modules["broken.patched"] and "libcudart is not loaded" in modules["broken.patched"]["skipped"]

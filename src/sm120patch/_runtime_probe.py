@@ -5,7 +5,9 @@
 # import in a patch is a NameError no hash can show). Prints one JSON document.
 import importlib
 import json
+import os
 import sys
+import traceback
 
 request = json.loads(sys.argv[1])
 out = {"jit_spec": None, "modules": {}}
@@ -47,6 +49,16 @@ for name in request.get("modules", []):
         else:
             out["modules"][name] = {"error": "ModuleNotFoundError: %s" % exc}
     except Exception as exc:  # noqa: BLE001
-        out["modules"][name] = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        # Only an error raised inside the patched module itself says something about the patch;
+        # one raised while its parent packages import (FlashInfer's comm package asserts that
+        # libcudart is loaded, which a machine without the CUDA runtime never has) means the
+        # check cannot run here.
+        own = (os.sep.join(name.split(".")) + ".py", os.sep.join(name.split(".") + ["__init__.py"]))
+        frames = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+        if any(filename.endswith(own) for filename in frames):
+            out["modules"][name] = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        else:
+            out["modules"][name] = {"skipped": "it cannot be imported here: %s: %s (raised while its packages "
+                                               "import, before its own code runs)" % (type(exc).__name__, exc)}
 
 print(json.dumps(out))
