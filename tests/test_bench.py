@@ -268,7 +268,7 @@ def test_a_server_that_would_fall_back_without_multicast_is_refused_with_the_rea
     server = judge(load_registry().get("sglang"), "0.5.11", Version("0.5.11"), flashinfer,
                    {"sglang": frozenset({"fusion-gate"}), "flashinfer-python": frozenset({"jit-gate", "pdl-gates",
                                                                                            "lamport-stride"})},
-                   apply_command="sm120patch apply --python /srv/env/bin/python")
+                   target="--python /srv/env/bin/python")
     assert server.missing == ("sglang:preflight-unicast", "flashinfer-python:unicast-workspace")
     for multicast in (False, None):
         with pytest.raises(RefusedError) as raised:

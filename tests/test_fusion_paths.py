@@ -257,6 +257,10 @@ def test_a_pair_that_falls_back_is_told_so_and_the_printed_command_makes_it_fuse
     after = run_cli("status", "--python", str(env.python))
     assert after.exit_code == 0, after.output
     assert "enters fusion: workspace preflight" in after.output and "! fusion:" not in after.output
+    # The pointer to the machine's reading works as printed too.
+    pointer = next(line for line in after.output.splitlines() if "have multicast" in line).rsplit("`", 2)[1]
+    doctor = run_cli(*shlex.split(pointer)[1:])
+    assert doctor.exit_code == 0 and "fusion: " in doctor.output and "sglang 0.5.11" in doctor.output
     assert sorted(env.record_mismatches()) == sorted([PREFLIGHT, COMMUNICATOR, *FLASHINFER_FILES])
 
 

@@ -22,7 +22,17 @@ class FusionVerdict(NamedTuple):
     path: FusionPath | None  # None: not installed, or sm120patch has not mapped this combination
     missing: tuple[str, ...] = ()  # "distribution:id" not applied
     unknown: tuple[str, ...] = ()  # needed, on a distribution this run did not assess
-    apply_command: str = ""  # what applies the missing patches, as it can be copied
+    target: str = ""  # the option naming the target in commands: "--python /srv/env/bin/python"
+
+    @property
+    def apply_command(self) -> str:
+        """What applies the missing patches (every required one), as it can be copied."""
+        return f"sm120patch apply {self.target}"
+
+    @property
+    def doctor_command(self) -> str:
+        """What reads this machine's GPUs, for the same target."""
+        return f"sm120patch doctor {self.target}"
 
     @property
     def enters(self) -> bool | None:
@@ -57,11 +67,11 @@ class FusionVerdict(NamedTuple):
 
 def judge(distribution: Distribution, raw_version: str, version: Version | None,
           other: InstalledDistribution | None, applied: Mapping[str, frozenset[str] | None], *,
-          apply_command: str) -> FusionVerdict:
+          target: str) -> FusionVerdict:
     """``other``: ``distribution.fusion_with`` as installed (None: it is not); ``applied``: patch
     ids applied per distribution name, for those assessed in this run (None inside: no pinned
-    set, so which are applied is not known); ``apply_command``: the command that applies every
-    required patch of this target (the missing ones are required)."""
+    set, so which are applied is not known); ``target``: the option naming the target in the
+    commands the verdict prints."""
     server = f"{distribution.name} {raw_version}"
     if other is None:
         return FusionVerdict(server, distribution.fusion_with, False, None)
@@ -77,4 +87,4 @@ def judge(distribution: Distribution, raw_version: str, version: Version | None,
             unknown.append(name)
         elif patch_id not in ids:
             missing.append(name)
-    return FusionVerdict(server, with_text, True, row, tuple(missing), tuple(unknown), apply_command)
+    return FusionVerdict(server, with_text, True, row, tuple(missing), tuple(unknown), target)

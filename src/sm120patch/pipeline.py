@@ -85,10 +85,14 @@ class Located(NamedTuple):
     def target(self) -> str:
         return str(self.env.executable) if self.env else str(self.trees[0].root)
 
+    @property
+    def where(self) -> str:
+        """The option that names this target on a command line."""
+        return f"--python {self.env.executable}" if self.env else f"--source {self.trees[0].root}"
+
     def command(self, words: str) -> str:
         """An sm120patch command for this same target, that works when copied as printed."""
-        where = f"--python {self.env.executable}" if self.env else f"--source {self.trees[0].root}"
-        return f"sm120patch {words} {where}"
+        return f"sm120patch {words} {self.where}"
 
 
 def locate(request: Request, registry: Registry, *, probe=None) -> Located:
@@ -269,8 +273,7 @@ def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStat
         d = item.distribution
         if d.fusion_paths:
             item = item._replace(fusion=judge(d, item.assessment.raw_version, item.tree.version,
-                                              located.env.get(d.fusion_with), applied,
-                                              apply_command=located.command("apply")))
+                                              located.env.get(d.fusion_with), applied, target=located.where))
         judged.append(item)
     return judged
 

@@ -102,6 +102,9 @@ def render_status(report: StatusReport) -> str:
         if item.fusion is not None:
             mark = "! fusion:" if item.fusion.enters is False else "fusion:"
             lines.append(f"  {mark} {item.fusion.render()}")
+            if item.fusion.path is not None:
+                # status leaves the driver alone (cuInit alone took 190 ms on one H200, docs/benchmarks.md)
+                lines.append(f"    (whether this machine's GPUs have multicast: `{item.fusion.doctor_command}`)")
         if isinstance(tree, CheckoutTree):
             from sm120patch.checkout import read_note
 
