@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
 # The demo: a throwaway serving environment with the real upstream wheels, and one operator
-# session against it. Nothing outside .demo/ is touched.
+# session against it. Nothing outside .demo/ is written: the two wheels are kept in
+# .demo/wheels between runs (copied from sm120patch's wheel cache when it has them, else
+# downloaded), and pip and sm120patch use that directory alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEMO=.demo
-rm -rf "$DEMO"
-mkdir -p "$DEMO"
+DEMO=${SM120PATCH_DEMO_DIR:-.demo}  # the tests run it elsewhere
+rm -rf "$DEMO/venv" "$DEMO/home"
+mkdir -p "$DEMO/wheels"
+export SM120PATCH_WHEEL_CACHE="$(cd "$DEMO/wheels" && pwd)" PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip's user agent asks `rustc --version`; where rustc is rustup's proxy, that writes ~/.rustup.
+export RUSTUP_HOME="$SM120PATCH_WHEEL_CACHE/../rustup"
 
 echo "# Setting up $DEMO/venv with the real flashinfer-python 0.6.4 and sglang 0.5.9 wheels (no dependencies)"
 python -m venv --without-pip "$DEMO/venv"
 WHEELS=$(python - <<'PY'
-from sm120patch.wheels import fetch_wheel
-print(fetch_wheel("flashinfer-python", "0.6.4"), fetch_wheel("sglang", "0.5.9"))
+import os, shutil
+from pathlib import Path
+
+from sm120patch import wheels
+
+demo = Path(os.environ.pop("SM120PATCH_WHEEL_CACHE"))
+found = []
+for name, version in (("flashinfer-python", "0.6.4"), ("sglang", "0.5.9")):
+    wheel = wheels.cached_wheel(name, version, demo)
+    if wheel is None:
+        shared = wheels.cached_wheel(name, version, wheels.default_cache()) if wheels.default_cache().is_dir() else None
+        wheel = Path(shutil.copy2(shared, demo)) if shared else wheels.fetch_wheel(name, version, demo)
+    found.append(str(wheel))
+print(" ".join(found))
 PY
 )
-python -m pip --python "$DEMO/venv/bin/python" install --quiet --no-deps --no-compile \
-    --disable-pip-version-check $WHEELS
+python -m pip --python "$DEMO/venv/bin/python" install --quiet --no-deps --no-compile $WHEELS
 
 # A JIT cache as a server leaves it: trtllm_comm plus other modules, for two arch sets.
 # (Stand-in files, so that you can watch sm120patch remove exactly trtllm_comm.)
@@ -31,7 +47,15 @@ done
 run() {
     echo
     echo "\$ sm120patch $*"
-    sm120patch "$@" --python "$DEMO/venv/bin/python" --jit-cache-base "$DEMO/home" || echo "(exit code $?)"
+    sm120patch "$@" --python "$DEMO/venv/bin/python" --jit-cache-base "$DEMO/home" || explain $?
+}
+
+explain() {  # the README's exit codes
+    case "$1" in
+        1) echo "(exit code 1: something is not patched; a script can test for it)" ;;
+        3) echo "(exit code 3: refused; nothing was changed)" ;;
+        *) echo "(exit code $1)" ;;
+    esac
 }
 
 run status

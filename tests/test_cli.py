@@ -51,7 +51,7 @@ def test_a_directory_as_python_is_exit_2_with_a_hint(tmp_path):
     result = run_cli("status", "--python", str(tmp_path))
     assert result.exit_code == ExitCode.USAGE
     one_clear_error(result.output, "is a directory")
-    assert f"hint: pass the interpreter inside it, e.g. --python {tmp_path / 'bin' / 'python'}" in result.output
+    assert "hint: pass the interpreter itself, e.g. --python /srv/venv/bin/python3" in result.output  # none is inside
 
 
 def test_a_program_that_is_not_python_is_exit_2():

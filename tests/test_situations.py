@@ -139,7 +139,7 @@ def test_two_target_directories_of_one_release_never_share_a_record(tmp_path, fl
     assert status_b.exit_code == ExitCode.NOT_OK
     assert "had been applied" not in status_b.output and str(targets[1]) in status_b.output
     revert_b = run(targets[1], "revert")
-    assert revert_b.exit_code == 0 and "nothing to change" in revert_b.output
+    assert revert_b.exit_code == 0 and "nothing to revert (not patched)" in revert_b.output
     assert {p: p.read_bytes() for p in state_a.rglob("*") if p.is_file()} == kept  # a's record untouched
     assert not (targets[1] / ".sm120patch").exists()
 

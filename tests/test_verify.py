@@ -59,7 +59,7 @@ def test_compile_check_without_nvcc_says_so(sm120patch, monkeypatch, tmp_path):
     # A check the user asked for that could not run does not pass: it says what to install.
     assert result.exit_code == ExitCode.NOT_OK
     assert "nvcc not found" in result.output and "install the CUDA toolkit" in result.output
-    assert result.output.rstrip().endswith("NOT verified: 1 check(s) you asked for could not run")
+    assert result.output.rstrip().endswith("NOT verified: 1 check(s) you asked for could not run"), result.output
 
 
 def test_runtime_check_without_torch_fails_and_says_what_to_install(sm120patch, serving_env):

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, TargetError, UsageError
 from sm120patch.fusionpath import FusionVerdict
+from sm120patch.invocation import command
 
 # trtllm_allreduce_fusion refuses any other world size ("Supported ranks: 2, 4, 8, 16").
 SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
@@ -84,6 +85,7 @@ class BenchRequest:
     reps: int = 25
     inner: int = 10
     warmup: int = 5
+    given_python: bool = False  # --python was given (python is then what the user named, resolved)
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,14 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
     ``servers``: each installed server's path past the gate; ``multicast``: whether the GPUs
     report multicast (None: the driver was not read)."""
     python = request.python
+    # With --python given, the environment is the one the user meant: say what it lacks, not
+    # to pass the option they passed.
+    elsewhere = None if request.given_python else "pass --python with the interpreter your server runs"
     if target.torch is None:
         raise TargetError(f"torch is not importable in {python} ({target.torch_error}): bench runs in the "
-                          "server's own environment", hint="pass --python with the interpreter your server runs")
+                          "server's own environment, with its torch and FlashInfer", hint=elsewhere)
     if target.flashinfer is None:
-        raise TargetError(f"flashinfer-python is not installed in {python}",
-                          hint="pass --python with the interpreter your server runs")
+        raise TargetError(f"flashinfer-python is not installed in {python}", hint=elsewhere)
     if not target.numpy:
         raise TargetError(f"numpy is not importable in {python} (FlashInfer needs it)")
     if not target.cuda:
@@ -182,7 +186,7 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
             raise RefusedError(
                 f"flashinfer-python {target.flashinfer} is {state}: on SM120 its fused allreduce does not build, "
                 "or runs an empty kernel",
-                hint=f"run `sm120patch apply --python {python}` first",
+                hint=f"run `{command('apply', ('--python', str(python)))}` first",
             )
     if multicast is not True:  # the workers would see the fall-back too; say why before any GPU work
         for server in servers:
@@ -320,7 +324,7 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     if tree is None:
         raise UsageError(f"{kernels} is not installed in {status.target}")
     target = probe_target(Path(status.target))
-    request = replace(request, python=Path(status.target))
+    request = replace(request, python=Path(status.target), given_python=request.python is not None)
     servers = [t.fusion for t in status.trees if t.fusion is not None and t.fusion.path is not None]
     world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
                            aot_shadows=[s.path for s in status.aot], servers=servers,
@@ -351,7 +355,7 @@ def _classify(error: dict, python: Path, world_size: int) -> Sm120PatchError:
     where = f" (tokens {case['tokens']}, hidden {case['hidden']}, {case['strategy']})" if case else ""
     if "No supported CUDA architectures found" in message:
         return RefusedError(f"FlashInfer refuses to build trtllm_comm for these GPUs: {message}",
-                            hint=f"run `sm120patch apply --python {python}` first")
+                            hint=f"run `{command('apply', ('--python', str(python)))}` first")
     if "unsupported ranks number" in message.lower() or "Supported ranks" in message:
         return UsageError(f"FlashInfer's fused allreduce refuses world size {world_size}: {message}")
     if error["phase"] == "import":

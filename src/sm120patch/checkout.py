@@ -9,12 +9,14 @@ sm120patch's own note of what it did is ``.git/sm120patch.json``: never part of 
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from sm120patch import __version__
 from sm120patch.errors import RefusedError
+from sm120patch.invocation import command
 from sm120patch.patchsets import Patch, PatchSet
 from sm120patch.plan import Plan
 from sm120patch.trees import CheckoutTree
@@ -59,7 +61,7 @@ def commit_plan(tree: CheckoutTree, plan: Plan) -> Commit:
     branch = branch_name(tree)
     if branch in repo.heads:
         raise RefusedError(f"branch {branch} exists already",
-                           hint=f"`sm120patch revert --source {tree.root}` removes it, or delete it yourself")
+                           hint=f"`{command('revert', ('--source', str(tree.root)))}` removes it, or delete it yourself")
     original = repo.active_branch.name if not repo.head.is_detached else repo.head.commit.hexsha
     patch_set = plan.assessment.patch_set
     applied_ids = {p for f in plan.files for p in f.patches}
@@ -112,7 +114,7 @@ def revert_checkout(tree: CheckoutTree) -> Undo:
         return Undo(f"{branch} is gone already; nothing to revert", True)
     if repo.heads[branch].commit.hexsha != note["commit"]:
         raise RefusedError(f"{branch} has commits sm120patch did not make; refusing to delete it",
-                           hint=f"`git checkout {note['original']}` and delete the branch yourself when you are done with it")
+                           hint=f"`git checkout {shlex.quote(note['original'])}` and delete the branch yourself when you are done with it")
     refuse_dirty(tree)
     repo.git.checkout(note["original"])
     repo.delete_head(branch, force=True)
@@ -124,7 +126,7 @@ def export(tree: CheckoutTree, out: Path) -> list[Path]:
     note = read_note(tree)
     if not note:
         raise RefusedError(f"sm120patch has made no commit in {tree.root}",
-                           hint=f"run `sm120patch apply --source {tree.root}` first")
+                           hint=f"run `{command('apply', ('--source', str(tree.root)))}` first")
     out.mkdir(parents=True, exist_ok=True)
     names = tree.repo.git.format_patch("-1", note["commit"], "-o", str(out)).splitlines()
     return [Path(name) for name in names if name.strip()]

@@ -43,9 +43,12 @@ def handle(exc: BaseException) -> int:
     """The one place an exception becomes a message and an exit code."""
     if isinstance(exc, Sm120PatchError):
         click.echo(f"sm120patch: error: {exc.message}", err=True)
-        if exc.hint:
-            click.echo(f"hint: {exc.hint}", err=True)
+        if exc.hint_line:
+            click.echo(f"hint: {exc.hint_line}", err=True)
         return int(exc.exit_code)
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `sm120patch` alone: what it is and does
+        click.echo(exc.ctx.get_help())
+        return 0
     if isinstance(exc, click.UsageError):
         message = exc.format_message()
         click.echo(f"sm120patch: error: {message}", err=True)
@@ -68,7 +71,19 @@ def handle(exc: BaseException) -> int:
     raise exc
 
 
+class Command(click.Command):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Sm120PatchError as exc:  # its hint may repeat this command, corrected
+            exc.invocation = invocation(ctx)
+            raise
+
+
 class Group(click.Group):
+    command_class = Command
+    group_class = type  # subgroups (manifest) are this class too, so their commands are Commands
+
     def main(self, args=None, prog_name=None, **extra):  # noqa: D102 - click's entry point, one-line errors
         try:
             code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)
@@ -137,6 +152,27 @@ def selector_options(function):
     return function
 
 
+def invocation(ctx: click.Context):
+    """The running command as the user gave it (the options typed, in their order), for hints
+    that repeat it with one part corrected."""
+    from click.core import ParameterSource
+
+    from sm120patch.distributions import ANY
+    from sm120patch.invocation import Invocation
+
+    params = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
+    options = []
+    for name, value in ctx.params.items():  # click fills these in command-line order
+        if name not in params or ctx.get_parameter_source(name) is not ParameterSource.COMMANDLINE:
+            continue
+        if value is False or value is None:
+            continue
+        option = max(params[name].opts, key=len)
+        selector_alone = name in dict(SELECTORS) and value == ANY
+        options.append((option, None if value is True or selector_alone else str(value)))
+    return Invocation(ctx.command_path.partition(" ")[2], tuple(options))
+
+
 def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=None, with_ids="", force=False,
                  dry_run=False, build=False, arch=None, on_build_step=None, **selectors):
     from sm120patch import pipeline
@@ -162,8 +198,9 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
                             (4, "failed (I/O, permissions, a lock held); everything was rolled back"), INTERRUPTED]))
 @click.version_option(__version__, prog_name="sm120patch")
 def cli() -> None:
-    """Enable FlashInfer/SGLang TRT-LLM allreduce fusion on SM120 GPUs (RTX PRO 6000 Blackwell,
-    RTX 5090) with exact, version-pinned, reversible patches. Each command's --help has examples."""
+    """Enable the TRT-LLM fused allreduce (allreduce + residual + RMSNorm) of FlashInfer, SGLang
+    and vLLM on SM120 GPUs (RTX PRO 6000 Blackwell, RTX 5090) with exact, version-pinned,
+    reversible patches. Each command's --help has examples."""
 
 
 @cli.command(short_help="Show what is installed and patched, stale JIT entries, AOT shadowing.",
@@ -171,7 +208,8 @@ def cli() -> None:
                             "sm120patch status --python ~/ml-env/bin/python3 --json | jq .exit_code",
                             "sm120patch status --source ~/src/flashinfer"],
                            [(0, "everything installed is patched (or fixed upstream)"),
-                            (1, "something is not patched, partly patched, or has no patch set"), USAGE,
+                            (1, "something is not patched, partly patched, or has no patch set; or none of the "
+                                "distributions sm120patch patches is installed there"), USAGE,
                             (3, "a file is not the release's bytes (drift), or an interrupted run"),
                             (4, "failed to read the environment's state"), INTERRUPTED]))
 @python_option
@@ -327,7 +365,8 @@ def revert(python, source, force, jit_cache_base, wheel_dir, as_json, **selector
 
 @cli.command(short_help="Print the unified diff apply would make.",
              epilog=epilog(["sm120patch diff --python ~/ml-env/bin/python3 > sm120.patch",
-                            "cd $(python -c 'import site; print(site.getsitepackages()[0])') && patch -p1 < sm120.patch"],
+                            "patch -p1 -d \"$(~/ml-env/bin/python3 -c 'import sysconfig; print(sysconfig.get_path("
+                            "\"purelib\"))')\" < sm120.patch   # the same change by hand"],
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
                             (3, "refused: drift, no pinned patch set")]))
 @selector_options
@@ -484,17 +523,28 @@ def export(source, out):
 
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
-             epilog=epilog(["sm120patch list", "sm120patch list --json | jq '.sglang.releases | keys'"], [(0, "printed")]))
+             epilog=epilog(["sm120patch list", "sm120patch list --python ~/ml-env/bin/python3",
+                            "sm120patch list --json | jq '.sglang.releases | keys'"], [(0, "printed"), USAGE]))
+@python_option
 @json_option
-def list_(as_json):
-    """Every release sm120patch knows, its patches (required and opt-in), and the upstream fix."""
-    from sm120patch import distributions, render
+def list_(python, as_json):
+    """Every release sm120patch knows, its patches (required and opt-in), and the upstream fix.
+    With --python: which release of each is installed there."""
+    from sm120patch import distributions, environment, render
 
     registry = distributions.load_registry(full=False)
-    emit(json.dumps(render.list_json(registry), indent=2) if as_json else render.render_list(registry))
+    installed = target = None
+    if python:
+        env = environment.start_probe(python, registry.names).result(registry.wanted_rows)
+        installed = {name: env.get(name) for name in registry.names if env.get(name) is not None}
+        target = str(env.executable)
+    emit(json.dumps(render.list_json(registry, installed), indent=2) if as_json
+         else render.render_list(registry, installed, target))
 
 
-@cli.group(short_help="Maintainers: build the vendor manifests from the real upstream wheels.")
+@cli.group(short_help="Maintainers: build the vendor manifests from the real upstream wheels.",
+           epilog=epilog(["sm120patch manifest build --check --distribution sglang",
+                          "sm120patch manifest build --help"], [(0, "see each command")]))
 def manifest() -> None:
     """Build the vendor manifests from the real upstream wheels (maintainers)."""
 

@@ -160,10 +160,12 @@ class Environment(NamedTuple):
     def reinstall_command(self, dist: InstalledDistribution) -> str:
         """The command that puts the release's bytes back, for this environment's installer."""
         spec = f"{dist.name}=={dist.raw_version}"
+        import shlex
+
         if dist.installer == "uv":
-            return f"uv pip install --python {self.executable} --reinstall --no-deps {spec}"
-        target = f" --target {dist.site_dir}" if not _on_sys_path_of(self, dist) else ""
-        return f"{self.executable} -m pip install --force-reinstall --no-deps{target} {spec}"
+            return shlex.join(["uv", "pip", "install", "--python", str(self.executable), "--reinstall", "--no-deps", spec])
+        target = ["--target", str(dist.site_dir)] if not _on_sys_path_of(self, dist) else []
+        return shlex.join([str(self.executable), "-m", "pip", "install", "--force-reinstall", "--no-deps", *target, spec])
 
 
 def _on_sys_path_of(env: Environment, dist: InstalledDistribution) -> bool:
@@ -189,11 +191,33 @@ def resolve_python(python: str | os.PathLike) -> str:
     if not candidate.exists():
         raise TargetError(f"--python {text}: no such file")
     if candidate.is_dir():
+        inside = _interpreter_in(candidate)
+        if inside is None:
+            raise TargetError(f"--python {text}: is a directory, not a Python interpreter",
+                              hint="pass the interpreter itself, e.g. --python /srv/venv/bin/python3")
         raise TargetError(f"--python {text}: is a directory, not a Python interpreter",
-                          hint=f"pass the interpreter inside it, e.g. --python {candidate / 'bin' / 'python'}")
+                          fix=[("--python", str(inside))], hint="runs the environment's own interpreter")
     if not os.access(candidate, os.X_OK):
         raise TargetError(f"--python {text}: not an executable file")
     return os.path.abspath(candidate)
+
+
+def _interpreter_in(directory: Path) -> Path | None:
+    """The interpreter of the environment ``directory`` belongs to (its root, its bin/, its
+    lib/pythonX.Y/site-packages): the first executable python3 (or python) in a bin/ at or above it."""
+    parts = directory.parts
+    if directory.name == "bin":
+        place = directory
+    elif "lib" in parts or "lib64" in parts:  # .../lib/python3.12/site-packages: the prefix holds it
+        index = max(i for i, part in enumerate(parts) if part in ("lib", "lib64"))
+        place = Path(*parts[:index]) / "bin"
+    else:
+        place = directory / "bin"
+    for name in ("python3", "python"):
+        found = place / name
+        if found.is_file() and os.access(found, os.X_OK):
+            return found
+    return None
 
 
 def _probe_source() -> str:

@@ -6,6 +6,8 @@ optional ``hint:`` line that works when copied as printed, and the exit code bel
 from __future__ import annotations
 
 import enum
+import shlex
+from typing import Sequence
 
 
 class ExitCode(enum.IntEnum):
@@ -26,10 +28,29 @@ class Sm120PatchError(Exception):
 
     exit_code: ExitCode = ExitCode.FAILED
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None,
+                 fix: Sequence[tuple[str, str | None]] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        # Options that correct the command (value None: an option alone). The CLI prints the
+        # user's own command with them applied, ``hint`` saying what it then does.
+        self.fix = tuple(fix)
+        self.invocation = None  # the command that failed, set by the CLI
+
+    @property
+    def hint_line(self) -> str | None:
+        """The hint as printed: the corrected command first, when there is one."""
+        if not self.fix:
+            return self.hint
+        if self.invocation is not None:
+            corrected = self.invocation
+            for option, value in self.fix:
+                corrected = corrected.replaced(option, value)
+            command = str(corrected)
+        else:
+            command = shlex.join(word for option, value in self.fix for word in (option, value) if word is not None)
+        return f"`{command}`" + (f" {self.hint}" if self.hint else "")
 
 
 class UsageError(Sm120PatchError):

@@ -10,6 +10,7 @@ lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
+import shlex
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from sm120patch.environment import Environment, start_probe
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
 from sm120patch.fusionpath import FusionVerdict, judge
 from sm120patch.hashing import sha256
+from sm120patch.invocation import command
 from sm120patch.state import Owner, state_root
 from sm120patch.transaction import (
     Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover, someone_holds,
@@ -72,6 +74,7 @@ class Located(NamedTuple):
     env: Environment | None
     trees: list  # InstalledTree | CheckoutTree, in registry order
     routed: list[tuple[str, Path]]  # editable installs, to their checkouts
+    jit_base: str | None = None  # --jit-cache-base as given: commands suggested for this target keep it
 
     @property
     def installed(self) -> list[InstalledTree]:
@@ -86,13 +89,19 @@ class Located(NamedTuple):
         return str(self.env.executable) if self.env else str(self.trees[0].root)
 
     @property
+    def options(self) -> tuple[tuple[str, str], ...]:
+        """The options that name this target on a command line (and its JIT cache base, when given)."""
+        target = ("--python", str(self.env.executable)) if self.env else ("--source", str(self.trees[0].root))
+        return (target, *([("--jit-cache-base", self.jit_base)] if self.jit_base else []))
+
+    @property
     def where(self) -> str:
-        """The option that names this target on a command line."""
-        return f"--python {self.env.executable}" if self.env else f"--source {self.trees[0].root}"
+        """:attr:`options`, quoted for a shell."""
+        return shlex.join(word for option in self.options for word in option)
 
     def command(self, words: str) -> str:
         """An sm120patch command for this same target, that works when copied as printed."""
-        return f"sm120patch {words} {self.where}"
+        return command(words, *self.options)
 
 
 def locate(request: Request, registry: Registry, *, probe=None) -> Located:
@@ -108,7 +117,7 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
         _check_version(tree, named.get(tree.distribution.name, ANY), request)
         return Located(None, [tree], [])
     env = (probe or start_probe(request.python, registry.names)).result(registry.wanted_rows)
-    located = Located(env, [], [])
+    located = Located(env, [], [], jit_base=request.jit_base)
     for distribution in registry:
         if named and distribution.name not in named:
             continue
@@ -136,9 +145,8 @@ def _check_version(tree, wanted: str, request: Request, *, python: str | None = 
         same = wanted == tree.raw_version
     if not same:
         option = tree.distribution.selector
-        where = f"--python {python}" if python else f"--source {request.source}"
         raise UsageError(f"{option} {wanted}: {python or tree.root} has {tree.distribution.name} {tree.raw_version}",
-                         hint=f"run `sm120patch apply {where} {option} {tree.raw_version}` to patch the installed release")
+                         fix=[(option, tree.raw_version)], hint="does the same for the installed release")
 
 
 def _nothing_installed(located: Located, registry: Registry) -> UsageError:
@@ -220,6 +228,7 @@ class StatusReport(NamedTuple):
     trees: list[TreeStatus]
     aot: list[jitcache.AotShadow]
     registry_names: tuple[str, ...] = ()
+    apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
 
     @property
     def exit_code(self) -> ExitCode:
@@ -259,7 +268,7 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
                                 routed_from=routed.get(tree.distribution.name)))
     trees = _fusion_verdicts(trees, located)
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
-                        registry_names=registry.names)
+                        registry_names=registry.names, apply_command=located.command("apply"))
 
 
 def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStatus]:
@@ -367,8 +376,10 @@ class ChangeReport:
                            for r in self.results))
 
 
-def _selected_ids(located: Located, with_ids: Sequence[str]) -> None:
-    """Every --with id must be a patch of some selected distribution's pinned set."""
+def _selected_ids(located: Located, with_ids: Sequence[str], registry: Registry) -> None:
+    """Every --with id must be a patch of some selected distribution's pinned set; one of a
+    distribution installed here but left out by the selectors is named, with the selector that
+    takes it in."""
     if not with_ids:
         return
     sets = {}
@@ -377,9 +388,20 @@ def _selected_ids(located: Located, with_ids: Sequence[str]) -> None:
         if patch_set is not None:
             sets[tree.distribution.name] = patch_set
     unknown = [i for i in with_ids if not any(p.id == i for ps in sets.values() for p in ps.patches)]
-    if unknown:
-        offered = "; ".join(f"{name}: {', '.join(sorted(ps.opt_in)) or 'none'}" for name, ps in sets.items())
-        raise UsageError(f"--with {','.join(unknown)}: no such patch (opt-in patches here: {offered or 'none'})")
+    if not unknown:
+        return
+    for distribution in registry:
+        dist = located.env.get(distribution.name) if located.env else None
+        if distribution.name in sets or dist is None:
+            continue
+        patch_set = distribution.find(dist.version) or distribution.closest_set(dist.version)
+        theirs = [i for i in unknown if patch_set is not None and any(p.id == i for p in patch_set.patches)]
+        if theirs:
+            raise UsageError(f"--with {','.join(theirs)}: a patch of {distribution.name} {dist.raw_version}, which the "
+                             f"selectors leave out ({', '.join(registry.get(n).selector for n in sets) or 'none'})",
+                             fix=[(distribution.selector, None)], hint=f"takes {distribution.name} in")
+    offered = "; ".join(f"{name}: {', '.join(sorted(ps.opt_in)) or 'none'}" for name, ps in sets.items())
+    raise UsageError(f"--with {','.join(unknown)}: no such patch (opt-in patches here: {offered or 'none'})")
 
 
 def _no_set(a: Assessment) -> RefusedError:
@@ -400,7 +422,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     located = locate(request, registry)
     if not located.trees:
         raise _nothing_installed(located, registry)
-    _selected_ids(located, request.with_ids)
+    _selected_ids(located, request.with_ids, registry)
     report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed)
     with _hold(located, request):
         if request.dry_run:

@@ -6,6 +6,7 @@ dry run)."""
 from __future__ import annotations
 
 import difflib
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -96,7 +97,8 @@ def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
     tree = assessment.tree
     spec = f"{assessment.name}=={assessment.raw_version}"
     env = getattr(tree, "env", None)
-    uv = f"uv pip install --python {env.executable} --reinstall --link-mode=copy --no-deps {spec}" if env else ""
+    uv = shlex.join(["uv", "pip", "install", "--python", str(env.executable), "--reinstall", "--link-mode=copy",
+                     "--no-deps", spec]) if env else ""
     state = {FileState.PRISTINE: "holds the release's bytes", FileState.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(

@@ -35,7 +35,7 @@ def _patch_word(item: TreeStatus, patch) -> str:
     return word
 
 
-def _file_notes(item: TreeStatus) -> list[str]:
+def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
     a = item.assessment
     lines = []
     for fa in a.files.values():
@@ -52,7 +52,7 @@ def _file_notes(item: TreeStatus) -> list[str]:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
     if a.dropped_by_reinstall:
         lines.append(f"  ! {', '.join(a.dropped_by_reinstall)} had been applied; the files are the release's again "
-                     "(the package was reinstalled): run `sm120patch apply` again")
+                     f"(the package was reinstalled): run `{report.apply_command}` again")
     if item.pending:
         rolls = "; the next apply or revert rolls it back" if item.pending_blocks and item.pending.startswith("an interrupted") else ""
         lines.append(f"  ! {item.pending} was found{rolls}" if item.pending.startswith("an interrupted")
@@ -68,7 +68,8 @@ def _file_notes(item: TreeStatus) -> list[str]:
 def render_status(report: StatusReport) -> str:
     lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
     if not report.trees:
-        lines.append(f"  none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed here")
+        lines.append(f"  none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed here: "
+                     "nothing here is patched (exit code 1); --python names the interpreter your server runs")
     for item in report.trees:
         a, tree, distribution = item.assessment, item.tree, item.distribution
         lines.append("")
@@ -88,7 +89,7 @@ def render_status(report: StatusReport) -> str:
                 fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
                 lines.append(f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}")
         if a.patch_set is not None:
-            lines += _file_notes(item)
+            lines += _file_notes(item, report)
             if distribution.fixed_in:
                 lines.append(f"  upstream fix: {distribution.fixed_in} ({distribution.upstream})")
             if distribution.still_gated:
@@ -112,7 +113,7 @@ def render_status(report: StatusReport) -> str:
             if note:
                 lines.append(f"  sm120patch's branch: {note['branch']}")
         if item.jit is not None:
-            lines += _jit_lines(item)
+            lines += _jit_lines(item, report)
     for shadow in report.aot:
         lines.append("")
         lines.append(f"AOT: {shadow.path} ({shadow.source})")
@@ -120,7 +121,7 @@ def render_status(report: StatusReport) -> str:
     return "\n".join(lines)
 
 
-def _jit_lines(item: TreeStatus) -> list[str]:
+def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
     jit = item.jit
     lines = [f"  JIT cache: {jit.base.cache_dir} (base: {jit.base.reason})"]
     if not jit.entries:
@@ -128,7 +129,7 @@ def _jit_lines(item: TreeStatus) -> list[str]:
                      "(FlashInfer builds one on first use)")
     for entry in jit.entries:
         if entry in jit.stale:
-            mark = "STALE: built before the last change of its sources; `sm120patch apply` removes it"
+            mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
         elif entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
                     "cache share this entry, and a patch or revert in either one invalidates it")
@@ -253,7 +254,9 @@ def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
         lines.append(f"{head}: {relpath} was patched by hand, identical to the patch: recorded as applied "
                      "(revert restores the release's bytes)")
     if not plan.files:
-        if not plan.adopted:
+        if not plan.adopted and report.operation == "revert" and plan.assessment.ledger is None:
+            lines.append(f"{head}: nothing to revert (not patched)")
+        elif not plan.adopted:
             lines.append(f"{head}: nothing to change (already {verb})")
         return lines
     if plan.assessment.unpinned and report.operation == "apply":
@@ -334,14 +337,26 @@ def _spec_words(versions) -> str:
     return ", ".join(f"{words.get(s.operator, s.operator)} {s.version}".strip() for s in parts)
 
 
-def render_list(registry) -> str:
-    """The support matrix: release ranges -> patch ids (required / opt-in) -> upstream fix."""
-    lines = []
+def _installed_line(distribution, installed: dict) -> str:
+    dist = installed.get(distribution.name)
+    if dist is None:
+        return "  installed there: none"
+    patch_set = distribution.find(dist.version)
+    pinned = f"patch set {patch_set.name}" if patch_set is not None else "no patch set pins it: `status` says why"
+    return f"  installed there: {dist.raw_version} ({pinned})"
+
+
+def render_list(registry, installed: dict | None = None, target: str | None = None) -> str:
+    """The support matrix: release ranges -> patch ids (required / opt-in) -> upstream fix;
+    ``installed``: name -> the distribution installed in the environment asked about (``target``)."""
+    lines = [f"Python {target}: what is installed there is marked \"installed there\"", ""] if target else []
     for distribution in registry:
         sets = sorted(distribution.patch_sets, key=lambda ps: min(ps.versions))
         fixed = distribution.fixed_in
         lines.append(f"{distribution.name} ({distribution.selector})"
                      + (f"  fixed upstream from {fixed}: {distribution.upstream}" if fixed else "  no upstream release fixes it"))
+        if installed is not None:
+            lines.append(_installed_line(distribution, installed))
         for ps in sets:
             versions = sorted(ps.versions)
             required = ", ".join(p.id for p in ps.patches if p.required)
@@ -356,10 +371,11 @@ def render_list(registry) -> str:
     return "\n".join(lines)
 
 
-def list_json(registry) -> dict:
+def list_json(registry, installed: dict | None = None) -> dict:
     return {
         d.name: {
             "selector": d.selector,
+            **({"installed": getattr(installed.get(d.name), "raw_version", None)} if installed is not None else {}),
             "fixed_in": str(d.fixed_in) if d.fixed_in else None,
             "sdist_only": list(d.sdist_only),
             "nothing_to_patch": [{"versions": str(n.versions), "reason": n.reason} for n in d.nothing_to_patch],
@@ -386,14 +402,16 @@ def render_verify(report: StatusReport, results) -> str:
 
     lines = [f"Python {report.target} ({report.python_version})"]
     if not results:
-        lines.append("  nothing to verify: none of the distributions sm120patch patches is installed here")
+        lines.append("  nothing to verify: none of the distributions sm120patch patches is installed here; --python names "
+                     "the interpreter your server runs")
     for r in results:
         mark = {True: "PASS", False: "FAIL", None: "SKIP" if not r.required else "NOT RUN"}[r.ok]
         lines.append(f"{mark:<4}  {r.kind:<8} {r.subject}: {r.detail}")
     code = verify_exit_code(results)
-    not_run = [r for r in results if r.ok is None and r.required]
-    lines.append("verified" if code is ExitCode.OK else
-                 "NOT verified" + (f": {len(not_run)} check(s) you asked for could not run" if not_run else ""))
+    failed = sum(1 for r in results if r.ok is False)
+    not_run = sum(1 for r in results if r.ok is None and r.required)
+    counts = [f"{failed} check(s) failed"] * bool(failed) + [f"{not_run} check(s) you asked for could not run"] * bool(not_run)
+    lines.append("verified" if code is ExitCode.OK else "NOT verified" + (f": {', '.join(counts)}" if counts else ""))
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import stat
 from pathlib import Path
 from types import MappingProxyType
@@ -88,7 +89,7 @@ def ensure_dir(path: Path, owner: Owner) -> None:
         owner.apply(directory)
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {path}")
+        raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {shlex.quote(str(path))}")
 
 
 class LedgerFile(NamedTuple):
@@ -142,7 +143,7 @@ class Ledger(NamedTuple):
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TransactionError(
                 f"{where} is unreadable ({exc})",
-                hint=f"move it aside (`mv {where} {where}.bad`); sm120patch then judges files by their hashes alone",
+                hint=f"move it aside (`mv {shlex.quote(str(where))} {shlex.quote(str(where) + '.bad')}`); sm120patch then judges files by their hashes alone",
             ) from None
 
 

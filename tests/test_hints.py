@@ -1,0 +1,220 @@
+"""Every hint and example sm120patch prints does what was asked when copied exactly as printed:
+each test runs the printed command through a shell (sm120patch on PATH, as after the README's
+install) and checks its effect on the files, not its words."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import COMM, COMMUNICATOR, FLASHINFER_FILES, ROOT, SYMM_MEM, changed, run_cli, snapshot, tree_snapshot
+from sm120patch.errors import ExitCode
+from sm120patch.invocation import Invocation
+from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
+
+
+@pytest.fixture
+def shell(tmp_path, monkeypatch):
+    """Runs a command line as printed, in bash, with an `sm120patch` on PATH that is this checkout."""
+    bindir = tmp_path / "shell-bin"
+    bindir.mkdir()
+    shim = bindir / "sm120patch"
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m sm120patch \"$@\"\n")
+    shim.chmod(0o755)
+
+    def run(line: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=cwd, env=env)
+
+    return run
+
+
+def printed(output: str) -> str:
+    """The one command in the output's hint line, as printed between backquotes."""
+    (line,) = [line for line in output.splitlines() if line.startswith("hint: ")]
+    (command,) = re.findall(r"`([^`]+)`", line)
+    return command
+
+
+def test_an_invocation_repeats_options_in_order_and_quotes_them():
+    given = Invocation("apply", (("--python", "/srv/my env/bin/python"), ("--flashinfer", "0.6.5"),
+                                 ("--sglang", None), ("--dry-run", None)))
+    assert str(given.replaced("--flashinfer", "0.6.4")) == (
+        "sm120patch apply --python '/srv/my env/bin/python' --flashinfer 0.6.4 --sglang --dry-run")
+    assert str(given.replaced("--with", "symm-mem").without("--dry-run")).endswith("--sglang --with symm-mem")
+
+
+def test_a_wrong_selector_hint_repeats_the_same_command(toy, shell):
+    python = str(toy.venv / "bin" / "python")
+    before = toy.snapshot()
+    # revert, status and a dry run keep their own command; copied, none of them patches anything.
+    for words, effect in ((["revert"], "toyfuse 1.0: nothing to revert (not patched)"),
+                          (["status"], "toyfuse 1.0: not patched"),
+                          (["apply", "--dry-run"], "+        supported_major_versions=[9, 10, 12],")):
+        result = shell(shlex.join(["sm120patch", words[0], "--python", python, "--toyfuse", "1.1", "--jit-cache-base",
+                                   str(toy.home), *words[1:]]))
+        assert result.returncode == ExitCode.USAGE, result.stderr
+        command = printed(result.stderr)
+        assert command.split()[:2] == ["sm120patch", words[0]] and "--toyfuse 1.0" in command, command
+        again = shell(command)
+        assert effect in again.stdout, (command, again.stdout, again.stderr)
+        assert changed(before, toy.snapshot()) == [], command
+    # apply, written --toyfuse=1.1: the hint applies, as was asked.
+    result = shell(shlex.join(["sm120patch", "apply", "--python", python, "--toyfuse=1.1", "--jit-cache-base",
+                               str(toy.home)]))
+    applied = shell(printed(result.stderr))
+    assert applied.returncode == 0 and "[9, 10, 12]" in (toy.site / "toyfuse" / "comm.py").read_text()
+
+
+def test_a_directory_as_python_hints_the_interpreter_inside_it_quoted(tmp_path, shell):
+    venv = tmp_path / "my envs" / "srv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for directory in (venv, venv / "bin", site):
+        result = run_cli("status", "--python", str(directory))
+        assert result.exit_code == ExitCode.USAGE
+        command = printed(result.output)
+        ran = shell(command)
+        # It ran status on the environment's interpreter: nothing sm120patch patches is there.
+        assert ran.stdout.startswith(f"Python {venv / 'bin' / 'python3'} "), (command, ran.stdout, ran.stderr)
+        assert ran.returncode == ExitCode.NOT_OK and "is installed here" in ran.stdout
+    plain = run_cli("status", "--python", str(tmp_path))  # no environment there: no made-up path
+    assert plain.exit_code == ExitCode.USAGE and str(tmp_path) + "/bin" not in plain.output
+
+
+def test_sm120patch_alone_prints_its_help():
+    for words in ([], ["manifest"]):
+        result = subprocess.run([sys.executable, "-m", "sm120patch", *words], capture_output=True, text=True)
+        assert result.returncode == 0 and result.stdout.startswith("Usage: sm120patch"), result
+        assert "error" not in result.stderr + result.stdout.splitlines()[0]
+        assert "Examples:" in result.stdout
+
+
+def test_help_names_all_three_and_the_maintainer_group_has_examples():
+    top = run_cli("--help").output
+    assert all(name in top for name in ("FlashInfer", "SGLang", "vLLM"))
+    assert "Examples:\n    sm120patch manifest build" in run_cli("manifest", "--help").output
+
+
+def test_verify_counts_failures_and_checks_that_could_not_run(toy, shell):
+    python = str(toy.venv / "bin" / "python")
+    result = shell(shlex.join(["sm120patch", "verify", "--python", python, "--jit-cache-base", str(toy.home), "--runtime"]))
+    assert result.returncode == ExitCode.NOT_OK
+    failed = sum(line.startswith("FAIL") for line in result.stdout.splitlines())
+    not_run = sum(line.startswith("NOT RUN") for line in result.stdout.splitlines())
+    assert failed >= 1
+    counts = [f"{failed} check(s) failed"] + ([f"{not_run} check(s) you asked for could not run"] if not_run else [])
+    assert result.stdout.splitlines()[-1] == "NOT verified: " + ", ".join(counts)
+
+
+def test_with_a_patch_of_a_distribution_left_out_names_the_selector(sm120patch, serving_env, shell):
+    before = snapshot(serving_env)
+    result = sm120patch("apply", "--flashinfer", "--with", "symm-mem")
+    assert result.exit_code == ExitCode.USAGE
+    assert "a patch of sglang 0.5.9, which the selectors leave out (--flashinfer)" in result.output
+    assert changed(before, snapshot(serving_env)) == []
+    ran = shell(printed(result.output))
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(serving_env.record_mismatches()) == sorted([*FLASHINFER_FILES, COMMUNICATOR, SYMM_MEM])
+
+
+def test_a_wrong_selector_keeps_every_other_option(sm120patch, serving_env, shell):
+    before = snapshot(serving_env)
+    result = sm120patch("apply", "--flashinfer", "0.6.5", "--sglang", "0.5.9", "--dry-run")
+    command = printed(result.output)
+    assert command.endswith("--flashinfer 0.6.4 --sglang 0.5.9 --dry-run"), command
+    ran = shell(command)
+    assert ran.returncode == 0 and f"+++ b/{COMMUNICATOR}" in ran.stdout and f"+++ b/{COMM}" in ran.stdout
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_the_diff_help_example_applies_the_diff_by_hand(serving_env, shell, tmp_path, monkeypatch):
+    need_patch = shutil.which("patch")
+    if need_patch is None:
+        pytest.skip("needs patch(1)")
+    home = tmp_path / "operator"
+    home.mkdir()
+    (home / "ml-env").symlink_to(serving_env.root)
+    examples = run_cli("diff", "--help").output.split("Examples:\n")[1].split("\n\n")[0]
+    lines = [line.strip().split("   # ")[0] for line in examples.splitlines()]
+    assert len(lines) == 2 and lines[1].startswith("patch -p1")
+    for line in lines:
+        ran = shell(f"HOME={home}; {line}", cwd=tmp_path)
+        assert ran.returncode == 0, (line, ran.stdout, ran.stderr)
+    status = run_cli("status", "--python", str(serving_env.python), "--jit-cache-base", str(serving_env.home))
+    assert status.exit_code == ExitCode.OK, status.output
+    assert "applied (by hand)" in status.output
+
+
+def test_bench_with_python_given_does_not_hint_to_pass_it(sm120patch):
+    result = sm120patch("bench")  # FlashInfer and SGLang, no torch
+    assert result.exit_code == ExitCode.USAGE  # bench --help: "2  the target cannot run it: no torch, ..."
+    assert "torch is not importable" in result.output and "hint: pass --python" not in result.output
+    assert "2   the target cannot run it: no torch" in run_cli("bench", "--help").output
+
+
+def test_the_exit_codes_of_every_help_are_in_the_readme_table():
+    table = ROOT.joinpath("README.md").read_text().split("### Exit codes")[1].split("\n\n")[1]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    assert documented == {int(code) for code in ExitCode}
+    assert "`bench`: a target that cannot run it" in table and "none of the distributions" in table
+    for command in ("status", "apply", "revert", "diff", "verify", "build", "bench", "doctor", "list", "export"):
+        text = run_cli(command, "--help").output.split("Exit codes:\n")[1]
+        codes = {int(m) for m in re.findall(r"^\s+(\d+)\s", text, flags=re.M)}
+        assert codes <= documented, command
+
+
+def test_list_takes_python_and_marks_what_is_installed(toy, shell):
+    result = shell(shlex.join(["sm120patch", "list", "--python", str(toy.venv / "bin" / "python")]))
+    assert result.returncode == 0, result.stderr
+    section = result.stdout.split("toyfuse (--toyfuse)")[1]
+    assert section.splitlines()[1] == "  installed there: 1.0 (patch set toyfuse/1.0.toml)"
+    assert "flashinfer-python (--flashinfer)" in result.stdout and "  installed there: none" in result.stdout
+
+
+@pytest.mark.wheels
+def test_the_demo_writes_nothing_outside_its_directory(tmp_path, wheel_cache, flashinfer_wheel, sglang_wheel):
+    home = tmp_path / "home"
+    home.mkdir()
+    demo = tmp_path / "demo"
+    env = dict(os.environ, HOME=str(home), SM120PATCH_DEMO_DIR=str(demo),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("SM120PATCH_WHEEL_CACHE", None)
+    if wheel_cache.parts[-2:] == ("sm120patch", "wheels"):  # the demo copies from this cache, read only
+        env["XDG_CACHE_HOME"] = str(wheel_cache.parents[1])
+    before = tree_snapshot(home, wheel_cache)
+    ran = subprocess.run(["bash", str(ROOT / "demo" / "run.sh")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    assert changed(before, tree_snapshot(home, wheel_cache)) == []
+    assert "(exit code 1: something is not patched" in ran.stdout
+    assert sorted(p.name for p in (demo / "wheels").iterdir()) == sorted([flashinfer_wheel.name, sglang_wheel.name])
+
+
+@pytest.mark.wheels  # it installs sm120patch from PyPI's click, libcst, packaging, gitpython
+def test_the_readme_install_without_pipx_puts_sm120patch_on_path(tmp_path):
+    text = ROOT.joinpath("README.md").read_text()
+    block = text.split("Without pipx")[1].split("```\n")[1]
+    assert "export PATH=" in block and block.rstrip().splitlines()[-1].startswith("sm120patch status")
+    checkout = tmp_path / "checkout"  # a clean copy: pip builds in the directory it is given
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, files.split("\0")):
+        if (ROOT / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, checkout / name)
+    home = tmp_path / "home"
+    home.mkdir()
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "ml-env")], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env.update(HOME=str(home), PATH=os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                                    if not Path(p, "sm120patch").exists()))
+    ran = subprocess.run(["bash", "-c", block], capture_output=True, text=True, cwd=checkout, env=env)
+    assert "command not found" not in ran.stderr, ran.stderr
+    assert f"\nPython {home / 'ml-env' / 'bin' / 'python3'} (" in ran.stdout, (ran.stdout, ran.stderr)
+    assert ran.returncode == ExitCode.NOT_OK and "is installed here" in ran.stdout  # nothing in that venv
