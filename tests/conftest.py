@@ -130,3 +130,21 @@ def shared_dir():
     shared.mkdir(mode=0o755)
     yield shared
     shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.fixture
+def shell(tmp_path):
+    """Runs a command line as printed, in bash, with an `sm120patch` on PATH that is this
+    checkout (as after the README's install), in this test's environment (its HOME, its
+    SM120PATCH_DATA_DIR)."""
+    bindir = tmp_path / "shell-bin"
+    bindir.mkdir()
+    shim = bindir / "sm120patch"
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m sm120patch \"$@\"\n")
+    shim.chmod(0o755)
+
+    def run(line: str, cwd: Path = tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+    return run

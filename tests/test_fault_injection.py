@@ -30,6 +30,7 @@ WRITE_SYSCALLS = (
     "write,pwrite64,openat,rename,renameat,renameat2,unlink,unlinkat,rmdir,mkdir,mkdirat,link,linkat,"
     "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
+TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")
 TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
 FILES = {**{relpath: "flashinfer-python" for relpath in FLASHINFER_FILES}, COMMUNICATOR: "sglang"}
 WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -101,6 +102,11 @@ class Sandbox:
              *self.argv(command)],
             capture_output=True, text=True, env=quiet_env(),
         )
+
+    def temporaries(self) -> list[str]:
+        """The temporary files of sm120patch's writes (``.<name>.sm120patch-<pid>.tmp``) anywhere
+        in the environment, its state included."""
+        return sorted(str(p) for p in self.env.root.rglob(".*.sm120patch-*") if TEMPORARY.match(p.name))
 
     def file_states(self) -> dict[str, str]:
         states = {}
@@ -203,6 +209,7 @@ def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, reco
         states = box.check_consistent(f"{where}, then {nxt}", built_for)
         assert set(states.values()) == {STATE_OF[nxt]}, f"{where}, then {nxt}: {states}"
         assert not box.journal.exists() and not (box.env.state_root / "stash").exists()
+        assert box.temporaries() == [], f"{where}, then {nxt}: temporaries left"
 
     failures = spread(sandboxes, points, kill_at)
     record_property(f"sigkill_points_{command}", len(points))
@@ -235,4 +242,53 @@ def test_enospc_and_eio_on_every_write_and_rename_change_nothing(sandboxes, comm
     failures = spread(sandboxes, points, fail_at)
     record_property(f"error_points_{command}", len(points))
     print(f"\n{command}: ENOSPC/EIO injected at {len(points)} points")
+    assert failures == []
+
+
+SIGNALS = (("INT", 130), ("TERM", 143), ("HUP", 129))  # Ctrl-C, systemd/Ansible, a closed terminal
+
+
+@pytest.mark.parametrize("command, before", [("apply", False), ("revert", True)])
+def test_a_signal_at_every_write_related_syscall_ends_in_one_state_and_says_which(sandboxes, command, before,
+                                                                                   record_property):
+    """SIGINT, SIGTERM and SIGHUP in turn, one per point: before the commit point the run rolls
+    back and says so (exit 128 + the signal); after it the change stands, the run finishes and
+    says that the signal came after the commit (exit 0). Either way nothing is pending, no
+    temporary is left, and a full revert afterwards leaves no .sm120patch/ at all."""
+    sandboxes[0].reset(patched=before)
+    points = sandboxes[0].points(command)
+    covers(points, command)
+    built_for = "patched" if before else "pristine"
+    start = "patched" if before else "pristine"
+
+    def signal_at(box: Sandbox, index: int, point) -> None:
+        syscall, n, _ = point
+        name, code = SIGNALS[index % len(SIGNALS)]
+        box.reset(patched=before)
+        proc = box.run_injected(command, syscall, n, f"signal={name}")
+        where = f"SIG{name} at {syscall} #{n}"
+        states = set(box.check_consistent(where, built_for).values())
+        assert "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
+        if states == {STATE_OF[command]} and states != {start}:  # the change was made: it says so
+            assert proc.returncode == 0, f"{where}: the change stands, exit {proc.returncode}: {proc.stderr}"
+            assert "rolled back" not in proc.stderr, f"{where}: {proc.stderr}"
+            assert f"SIG{name} arrived after the {command} was committed" in proc.stderr, f"{where}: {proc.stderr}"
+        else:
+            assert states == {start}, f"{where}: {states}"
+            assert proc.returncode == code, f"{where}: rolled back, exit {proc.returncode}: {proc.stderr}"
+            assert proc.stderr == f"sm120patch: interrupted (SIG{name}); any change in progress was rolled back\n", \
+                f"{where}: {proc.stderr}"
+        root = box.env.state_root
+        assert not box.journal.exists() and not (root / "stash").exists(), f"{where}: a run is left pending"
+        assert box.temporaries() == [], f"{where}: temporaries left"
+        status = box.run("status")
+        assert status.returncode in (0, 1) and "interrupted" not in status.stdout, f"{where}: {status.stdout}"
+        assert "by hand" not in status.stdout, f"{where}: sm120patch's own writes called a hand edit"
+        box.run("revert")
+        assert not root.exists(), f"{where}, then a full revert: {sorted(map(str, root.rglob('*')))}"
+        assert set(box.file_states().values()) == {"pristine"}, where
+
+    failures = spread(sandboxes, points, signal_at)
+    record_property(f"signal_points_{command}", len(points))
+    print(f"\n{command}: SIGINT/SIGTERM/SIGHUP injected at {len(points)} points")
     assert failures == []

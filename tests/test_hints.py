@@ -20,22 +20,6 @@ from sm120patch.invocation import Invocation
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
 
-@pytest.fixture
-def shell(tmp_path, monkeypatch):
-    """Runs a command line as printed, in bash, with an `sm120patch` on PATH that is this checkout."""
-    bindir = tmp_path / "shell-bin"
-    bindir.mkdir()
-    shim = bindir / "sm120patch"
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m sm120patch \"$@\"\n")
-    shim.chmod(0o755)
-
-    def run(line: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
-        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=cwd, env=env)
-
-    return run
-
-
 def printed(output: str) -> str:
     """The one command in the output's hint line, as printed between backquotes."""
     (line,) = [line for line in output.splitlines() if line.startswith("hint: ")]

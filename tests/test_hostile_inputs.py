@@ -74,7 +74,7 @@ def test_a_corrupted_journal(sm120patch, serving_env):
     before = snapshot(serving_env)
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED
-    assert "unreadable journal" in status.output
+    assert "of an interrupted sm120patch run is unreadable" in status.output
     for command in ("apply", "revert", "apply --dry-run"):
         result = sm120patch(*command.split())
         assert result.exit_code in (ExitCode.FAILED, ExitCode.REFUSED)

@@ -8,12 +8,25 @@ command itself runs with the collector on.
 """
 
 import gc
+import signal
+import sys
+
+
+def _before_start(signum, frame) -> None:  # noqa: ARG001
+    raise KeyboardInterrupt(signum)
 
 
 def main() -> None:
+    # Until the CLI installs its own handlers (signals.py), a signal means nothing was begun.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _before_start)
     gc.disable()
-    from sm120patch.cli import main as run
-
+    try:
+        from sm120patch.cli import main as run
+    except KeyboardInterrupt as exc:
+        signum = exc.args[0] if exc.args else signal.SIGINT
+        sys.stderr.write(f"sm120patch: interrupted ({signal.Signals(signum).name}) while starting; nothing was changed\n")
+        sys.exit(128 + signum)
     gc.freeze()
     gc.enable()
     run()

@@ -44,7 +44,8 @@ def headers(text):
 
 def read(path):
     try:
-        with open(path, encoding="utf-8") as handle:
+        # A byte that is not UTF-8 (a hand-edited METADATA) must not cost the whole answer.
+        with open(path, encoding="utf-8", errors="replace") as handle:
             return handle.read()
     except OSError:
         return None
@@ -131,6 +132,7 @@ def main():
         "executable": sys.executable,
         "python_version": "%d.%d.%d" % sys.version_info[:3],
         "prefix": sys.prefix,
+        "base_prefix": getattr(sys, "base_prefix", sys.prefix),
         "user_base": getattr(site, "USER_BASE", None) or "",
         "distributions": {name: describe(normalize(name), listings) for name in sys.argv[1:]},
     }))

@@ -6,12 +6,13 @@ that works when copied as printed, and the exit code each command's help lists."
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 import click
 
-from sm120patch import __version__
+from sm120patch import __version__, signals
 from sm120patch.errors import ExitCode, Sm120PatchError
 
 
@@ -36,13 +37,19 @@ def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
 
 
 USAGE = (2, "bad input: an option, --python, a version selector, patch data")
-INTERRUPTED = (130, "interrupted (Ctrl-C); the change in progress was rolled back")
+INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change in progress was rolled back")
+
+
+def one_line(text: str) -> str:
+    """A message as one line: a newline (or another control character) in a value the user gave
+    is shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def handle(exc: BaseException) -> int:
     """The one place an exception becomes a message and an exit code."""
     if isinstance(exc, Sm120PatchError):
-        click.echo(f"sm120patch: error: {exc.message}", err=True)
+        click.echo(f"sm120patch: error: {one_line(exc.message)}", err=True)
         if exc.hint_line:
             click.echo(f"hint: {exc.hint_line}", err=True)
         return int(exc.exit_code)
@@ -50,7 +57,7 @@ def handle(exc: BaseException) -> int:
         click.echo(exc.ctx.get_help())
         return 0
     if isinstance(exc, click.UsageError):
-        message = exc.format_message()
+        message = one_line(exc.format_message())
         click.echo(f"sm120patch: error: {message}", err=True)
         command = exc.ctx.command_path if exc.ctx else "sm120patch"
         click.echo(f"hint: `{command} --help` lists the options, with examples", err=True)
@@ -61,9 +68,16 @@ def handle(exc: BaseException) -> int:
         except OSError:
             pass
         return 0
-    if isinstance(exc, (KeyboardInterrupt, click.Abort)):
-        click.echo("sm120patch: interrupted; any change in progress was rolled back", err=True)
-        return int(ExitCode.INTERRUPTED)
+    if isinstance(exc, (KeyboardInterrupt, click.Abort, signals.Interrupted)):
+        signum = getattr(exc, "signum", int(signal.SIGINT))
+        committed = signals.STATE.committed
+        if committed:  # a signal after the write (during a build): the change it made stands
+            click.echo(f"sm120patch: interrupted ({signals.name(signum)}) after the {committed} was committed: that "
+                       "change stands (`sm120patch status` shows it); what came after it did not finish", err=True)
+        else:
+            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); any change in progress was rolled back",
+                       err=True)
+        return signals.exit_code(signum)
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
         where = f" ({exc.filename})" if exc.filename else ""
         click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
@@ -77,6 +91,9 @@ class Command(click.Command):
             return super().invoke(ctx)
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
+            if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
+                click.echo(json.dumps({"error": {"message": exc.message, "hint": exc.hint_line,
+                                                 "exit_code": int(exc.exit_code)}}, indent=2))
             raise
 
 
@@ -85,20 +102,30 @@ class Group(click.Group):
     group_class = type  # subgroups (manifest) are this class too, so their commands are Commands
 
     def main(self, args=None, prog_name=None, **extra):  # noqa: D102 - click's entry point, one-line errors
-        try:
-            code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)
-        except click.exceptions.Exit as exc:
-            code = exc.exit_code
-        except BaseException as exc:  # noqa: BLE001 - handle() re-raises what it does not know
-            if isinstance(exc, SystemExit):
-                raise
-            code = handle(exc)
+        with signals.handled():
+            try:
+                code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)
+            except click.exceptions.Exit as exc:
+                code = exc.exit_code
+            except SystemExit as exc:  # a command's own exit code
+                code = exc.code
+            except BaseException as exc:  # noqa: BLE001 - handle() re-raises what it does not know
+                code = handle(exc)
+            late = signals.late()
+            if late is not None:  # it arrived after the commit point: the run finished, as it says
+                click.echo(f"sm120patch: {signals.name(late)} arrived after the {signals.STATE.committed} was "
+                           "committed: the change stands and its cleanup finished", err=True)
         sys.exit(code or 0)
 
 
+_emitted = False  # whether the command printed its document (an error then adds none)
+
+
 def emit(text: str) -> None:
+    global _emitted
     if text:
         click.echo(text)
+        _emitted = True
 
 
 def python_option(function):
@@ -136,7 +163,8 @@ def arch_option(function):
 
 
 def wheel_dir_option(function):
-    return click.option("--wheel-dir", metavar="DIR", default=None, type=click.Path(file_okay=False, path_type=Path),
+    return click.option("--wheel-dir", metavar="DIR", default=None,
+                        type=click.Path(exists=True, file_okay=False, path_type=Path),
                         help="Where the release's wheels are, for an offline server (else sm120patch's wheel cache, "
                         "downloading what is missing).")(function)
 
@@ -173,7 +201,7 @@ def invocation(ctx: click.Context):
     return Invocation(ctx.command_path.partition(" ")[2], tuple(options))
 
 
-def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=None, with_ids="", force=False,
+def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=None, with_ids=None, force=False,
                  dry_run=False, build=False, arch=None, on_build_step=None, **selectors):
     from sm120patch import pipeline
 
@@ -183,6 +211,9 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
     chosen = {names[option]: pipeline.normalize_selector(option, value)
               for option, value in selectors.items() if option in names and value is not None}
     ids = tuple(i.strip() for i in (with_ids or "").split(",") if i.strip())
+    if with_ids is not None and not ids:
+        raise click.BadParameter(f"{with_ids!r} names no patch; give opt-in patch ids, e.g. --with symm-mem "
+                                 "(`sm120patch list` shows them)", param_hint="--with")
     return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
                             dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
                             on_build_step=on_build_step,
@@ -247,7 +278,7 @@ def status(python, source, jit_cache_base, as_json, **selectors):
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
                             INTERRUPTED]))
 @selector_options
-@click.option("--with", "with_ids", metavar="ID,...", default="", help="Also apply these opt-in patches (see `list`).")
+@click.option("--with", "with_ids", metavar="ID,...", default=None, help="Also apply these opt-in patches (see `list`).")
 @python_option
 @source_option
 @click.option("--dry-run", is_flag=True, help="Print the unified diff; change nothing (a checkout: no branch, no commit).")
@@ -370,7 +401,7 @@ def revert(python, source, force, jit_cache_base, wheel_dir, as_json, **selector
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
                             (3, "refused: drift, no pinned patch set")]))
 @selector_options
-@click.option("--with", "with_ids", metavar="ID,...", default="", help="Include these opt-in patches.")
+@click.option("--with", "with_ids", metavar="ID,...", default=None, help="Include these opt-in patches.")
 @python_option
 @source_option
 @click.option("--force", is_flag=True, help="As apply --force: by meaning, for drifted files or unknown releases.")

@@ -110,6 +110,7 @@ class DoctorReport:
     topology: Topology | None = None
     findings: list[Finding] = field(default_factory=list)
     driver: driver.DriverFacts | None = None
+    libcuda: object | None = None  # jitbuild.Libcuda: what FlashInfer's JIT link would take here
 
     def add(self, level: str, text: str) -> None:
         self.findings.append(Finding(level, text))
@@ -170,6 +171,11 @@ def examine_machine(report: DoctorReport) -> None:
             report.add("warn", f"CUDA toolkit {version}: enough for sm_120a; FlashInfer >= {FLASHINFER_USES_120F} targets 120f, which needs >= {MIN_CUDA_120F}")
         else:
             report.add("ok", f"CUDA toolkit {version} (nvcc): enough for sm_120a and 120f")
+        from sm120patch.jitbuild import libcuda_for_link
+
+        libcuda = libcuda_for_link()
+        report.libcuda = libcuda
+        report.add("ok" if libcuda.kind != "none" else "info", f"libcuda for FlashInfer's JIT link: {libcuda.describe()}")
 
 
 def examine_driver(report: DoctorReport, facts: driver.DriverFacts) -> None:
@@ -240,6 +246,9 @@ def to_json(report: DoctorReport) -> dict:
                         for d in facts.devices],
             "peer_access": {f"{i}-{j}": ok for (i, j), ok in facts.peer_access.items()},
         },
+        "libcuda": None if report.libcuda is None else {
+            "kind": report.libcuda.kind, "path": str(report.libcuda.path) if report.libcuda.path else None,
+            "cuda_home": str(report.libcuda.cuda_home)},
         "topology": None if report.topology is None else {
             "gpus": report.topology.gpus,
             "pcie_only": report.topology.pcie_only,

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, NamedTuple
 from packaging.version import InvalidVersion, Version
 
 from sm120patch.errors import TargetError
+from sm120patch.fileio import NotRegularFile, read_regular
 
 # A Requires-Dist line that pins exactly: "name==X" or "name[extra]==X", no marker, no other
 # specifier. packaging.requirements would parse any PEP 508 line, but its import (the marker
@@ -30,6 +31,7 @@ from sm120patch.errors import TargetError
 _EXACT_PIN = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[[^\]]*\])?\s*\(?\s*===?\s*([^\s,;()]+)\s*\)?\s*$")
 
 PROBE_TIMEOUT_S = 60
+MINIMUM_PYTHON = (3, 8)
 # Distributions sm120patch reports on without patching them, and the RECORD rows it wants.
 FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
 COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {}}
@@ -66,6 +68,7 @@ class RecordEntry(NamedTuple):
     path: str
     sha256: str | None
     size: int | None
+    algorithm: str | None = None  # as RECORD names it ("sha256"; None: the row has no hash)
 
 
 def record_rows(data: bytes, files=(), suffixes=()) -> dict[str, RecordEntry]:
@@ -104,7 +107,8 @@ def record_rows(data: bytes, files=(), suffixes=()) -> dict[str, RecordEntry]:
             continue
         path, hash_value, size = (row + ["", ""])[:3]
         rows[path] = RecordEntry(path=path, sha256=parse_record_hash(hash_value) if hash_value else None,
-                                 size=int(size) if size.isdigit() else None)
+                                 size=int(size) if size.isdigit() else None,
+                                 algorithm=hash_value.partition("=")[0] if hash_value else None)
     return rows
 
 
@@ -120,6 +124,7 @@ class InstalledDistribution(NamedTuple):
     direct_url: Mapping | None = None
     requires: tuple[str, ...] = ()
     installer: str | None = None  # what the INSTALLER file names: pip, uv, ...
+    record_error: str | None = None  # RECORD is there but cannot be read (permission denied, ...)
 
     @property
     def version(self) -> Version | None:
@@ -153,6 +158,14 @@ class Environment(NamedTuple):
     prefix: Path
     user_base: Path | None
     distributions: Mapping[str, InstalledDistribution | None] = MappingProxyType({})
+    base_prefix: Path | None = None  # sys.base_prefix: a venv's base interpreter
+
+    def shares_base(self, dist: InstalledDistribution) -> bool:
+        """Whether ``dist`` is installed in the base interpreter's site-packages, which this venv
+        sees through --system-site-packages (so every environment on that base shares it)."""
+        if self.base_prefix is None or self.base_prefix == self.prefix:
+            return False
+        return dist.site_dir.is_relative_to(self.base_prefix) and not dist.site_dir.is_relative_to(self.prefix)
 
     def get(self, name: str) -> InstalledDistribution | None:
         return self.distributions.get(name)
@@ -180,6 +193,18 @@ def resolve_python(python: str | os.PathLike) -> str:
     absolute but not resolved (a venv's python is a symlink to the base interpreter, and
     resolving it would ask the wrong environment)."""
     text = os.fspath(python)
+    shown = text if len(text) <= 200 else text[:100] + "..." + text[-40:]
+    try:
+        return _resolve(text)
+    except OSError as exc:  # a name too long, a loop of links: not a path to an interpreter
+        raise TargetError(f"--python {shown}: {exc.strerror or exc}") from None
+    except TargetError as exc:
+        if shown != text:
+            exc.message = exc.message.replace(text, shown)
+        raise
+
+
+def _resolve(text: str) -> str:
     if os.sep not in text:
         import shutil  # here, not at the top: its import (the archive modules) is 3 ms of `status`
 
@@ -233,6 +258,16 @@ class Probe(NamedTuple):
     process: subprocess.Popen | None = None
     error: TargetError | None = None
 
+    def stop(self) -> None:
+        """Kill the probe and whatever it started (a wrapper script's children): its own session."""
+        import signal
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.process.wait()
+
     def result(self, wanted: Callable[[str, str], Mapping] | None = None) -> Environment:
         """Wait for the probe. ``wanted(name, version)`` says which rows of an installed
         distribution's RECORD to read ({"files": [...], "suffixes": [...]}); a companion's rows
@@ -241,16 +276,22 @@ class Probe(NamedTuple):
             raise self.error
         try:
             stdout, stderr = self.process.communicate(timeout=PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise TargetError(f"--python {self.executable}: no answer within {PROBE_TIMEOUT_S} s") from None
+        except BaseException as exc:  # no answer in time, or a signal: nothing it started may outlive it
+            self.stop()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise TargetError(f"--python {self.executable}: no answer within {PROBE_TIMEOUT_S} s") from None
+            raise
         try:
             data = ast.literal_eval(stdout)  # the probe answers with a Python literal (no json there)
             data["distributions"].items()
+            version = tuple(int(part) for part in data["python_version"].split("."))
         except (ValueError, TypeError, KeyError, SyntaxError, MemoryError, RecursionError, AttributeError):
             # Not a Python, or one too old to run the probe: say so without echoing what it
             # printed (a program that is not Python prints anything at all).
             raise TargetError(f"--python {self.executable}: not a usable Python interpreter (3.8 or newer)") from None
+        if version < MINIMUM_PYTHON:  # no FlashInfer, SGLang or vLLM release sm120patch knows runs there
+            raise TargetError(f"--python {self.executable} is Python {data['python_version']}: the servers sm120patch "
+                              f"patches run on Python {'.'.join(map(str, MINIMUM_PYTHON))} or newer")
 
         def rows(name: str, raw: Mapping) -> Mapping:
             if name in COMPANIONS:
@@ -261,6 +302,7 @@ class Probe(NamedTuple):
             executable=Path(data["executable"] or self.executable),
             python_version=data["python_version"],
             prefix=Path(data["prefix"]),
+            base_prefix=Path(data.get("base_prefix") or data["prefix"]),
             user_base=Path(data["user_base"]) if data["user_base"] else None,
             distributions={name: _from_probe(name, raw, rows(name, raw)) if raw else None
                            for name, raw in data["distributions"].items()},
@@ -281,6 +323,7 @@ def start_probe(python: str | os.PathLike | None, names) -> Probe:
             [executable, "-c", _probe_source(), *request],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
             cwd="/",  # keep the caller's working directory off the target's sys.path
+            start_new_session=True,  # a process group of its own, killed whole if it does not answer
         )
     except OSError as exc:
         return Probe(executable, error=TargetError(f"--python {executable}: could not run it ({exc.strerror or exc})"))
@@ -298,13 +341,18 @@ def _json_or_none(text: str | None) -> Mapping | None:
 
 
 def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistribution:
+    record_error = None
     if "record_text" in raw:  # found by importlib.metadata in the target (a zip, an egg)
         data = raw["record_text"].encode("utf-8", "surrogateescape") if raw["record_text"] is not None else None
     else:
         try:
-            data = Path(raw["dist_info"], "RECORD").read_bytes()
-        except OSError:  # no RECORD: nothing is known of its files
+            data = read_regular(Path(raw["dist_info"], "RECORD"))
+        except FileNotFoundError:  # no RECORD: nothing is known of its files
             data = None
+        except OSError as exc:  # there, but unreadable: every file check needs it
+            data, record_error = None, exc.strerror or str(exc)
+        except NotRegularFile as exc:
+            data, record_error = None, exc.message
     record = record_rows(data, wanted.get("files", ()), wanted.get("suffixes", ())) if data is not None else {}
     return InstalledDistribution(
         name=name,  # the normalized name asked for, not the metadata's spelling
@@ -316,4 +364,5 @@ def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistributi
         direct_url=_json_or_none(raw["direct_url"]),
         requires=tuple(raw["requires"]),
         installer=raw.get("installer"),
+        record_error=record_error,
     )

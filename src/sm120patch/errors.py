@@ -20,7 +20,11 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad input: options, --python, a version selector, patch-set data
     REFUSED = 3  # a file is not the release's bytes (drift), no pinned patch set, an interrupted run
     FAILED = 4  # an operation failed (I/O, permissions, lock held); everything was rolled back
-    INTERRUPTED = 130  # Ctrl-C; the change in progress was rolled back
+    # A signal before the commit point: the change in progress was rolled back (128 + the
+    # signal's number, as a shell reports it; signals.py). After it the command finishes.
+    HANGUP = 129  # SIGHUP
+    INTERRUPTED = 130  # SIGINT, Ctrl-C
+    TERMINATED = 143  # SIGTERM (systemd, Ansible)
 
 
 class Sm120PatchError(Exception):

@@ -12,7 +12,9 @@ def sha256(data: bytes) -> str:
 
 def sha256_file(path: Path) -> str | None:
     """The hash of the file at ``path`` (following a symlink), or None when there is none."""
+    from sm120patch.fileio import read_regular
+
     try:
-        return sha256(path.read_bytes())
+        return sha256(read_regular(path))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None

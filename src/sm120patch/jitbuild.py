@@ -17,11 +17,12 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from sm120patch.errors import CheckFailedError, TargetError, UsageError
 from sm120patch.state import Owner
@@ -97,6 +98,7 @@ class BuildResult:
     proof: str  # how the entry was shown to be the one FlashInfer loads at start
     compiled: bool = True  # False: the entry was up to date, ninja had nothing to do (nothing changed)
     note: str | None = None  # when the server, left to itself, would look for another entry
+    libcuda: str | None = None  # linked against sm120patch's own stub: what and why (None: the link's own)
 
 
 def arch_note(arch: str | None) -> str | None:
@@ -128,6 +130,11 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     run_as = _run_as(owner)
     start = time.monotonic()
     events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress)
+    libcuda = None
+    if "error" in events and events.get("build_dir") and "cannot find -lcuda" in "\n".join(tail):
+        # Every object compiled; only libcuda is missing. Link again (ninja redoes the link alone)
+        # against a stub made from the objects' own driver calls.
+        events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress, Path(events["build_dir"]), owner)
     elapsed = time.monotonic() - start
     where = events.get("build_dir")
     if "error" in events:
@@ -166,7 +173,107 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
         how = ("a fresh process regenerated the same build.ninja and ninja had no work to do; the library did not "
                f"load here ({proof.get('load_error')}): a machine without a CUDA driver cannot load it")
     return BuildResult(module, entry, entry.parent.parent.name, elapsed, how, bool(events.get("compiled", True)),
-                       arch_note(arch))
+                       arch_note(arch), libcuda)
+
+
+def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, build_dir: Path,
+                    owner: Owner | None) -> tuple[dict, list[str], str]:
+    symbols = driver_symbols(sorted(build_dir.rglob("*.o")))
+    with tempfile.TemporaryDirectory(prefix="sm120patch-libcuda-") as scratch:
+        directory = Path(scratch)
+        build_stub(symbols, directory)
+        if run_as:  # the build runs as the cache base's owner: the stub must be theirs to read
+            for path in (directory, *directory.iterdir()):
+                os.chown(path, owner.uid, owner.gid)
+        search = os.pathsep.join(filter(None, [scratch, env.get("LIBRARY_PATH")]))
+        events, tail = _run(python, {"spec": spec, "phase": "build"}, dict(env, LIBRARY_PATH=search), run_as, progress)
+    why = (f"linked against a libcuda stub sm120patch made for the link ({len(symbols)} driver functions the objects "
+           "call; soname libcuda.so.1, then removed): this machine has no CUDA driver and no toolkit stub. The module "
+           "records NEEDED libcuda.so.1, which the GPU server's driver provides")
+    return events, tail, why
+
+
+# -- libcuda for the link ----------------------------------------------------------------------
+#
+# FlashInfer links every JIT module with `-L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcuda`.
+# A GPU-less build machine whose toolkit has no stub (PyPI's nvidia-cuda-* wheels, a runtime
+# image) has no libcuda at all: every object compiles, then the link fails. The linker needs
+# only a file named libcuda.so that defines the driver functions the objects call and names
+# itself libcuda.so.1 (DESIGN.md section 9): the module then records `NEEDED libcuda.so.1`, as
+# it would against the real library, and the GPU server's driver is what loads. sm120patch
+# builds such a stub only after the link failed for want of one, from the objects' own
+# undefined cu* symbols, in a temporary directory it removes, and hands it to the linker by
+# LIBRARY_PATH (the compiler driver's search path): unlike FLASHINFER_EXTRA_LDFLAGS it leaves
+# build.ninja as the server will generate it, so the server's first start relinks nothing.
+
+CUDA_ERROR_NO_DEVICE = 100
+_DRIVER_SYMBOL = re.compile(r"^cu[A-Z]\w*$")  # the driver API (cuInit, cuMemAlloc_v2); cudart is cuda*
+
+
+class Libcuda(NamedTuple):
+    kind: str  # "driver" | "toolkit stub" | "none"
+    path: Path | None
+    cuda_home: Path
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return (f"none: no CUDA driver and no stub in {self.cuda_home}/lib64/stubs; a build here (apply --build) "
+                    "links against a stub sm120patch makes for it")
+        return f"the {'CUDA driver' if self.kind == 'driver' else 'CUDA toolkit stub'} {self.path}"
+
+
+def cuda_home() -> Path:
+    """The toolkit FlashInfer's JIT uses (flashinfer.jit.cpp_ext.get_cuda_path's rule): $CUDA_HOME,
+    $CUDA_PATH, two levels above the nvcc on PATH, else /usr/local/cuda."""
+    given = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if given:
+        return Path(given)
+    nvcc = shutil.which("nvcc")
+    return Path(nvcc).parent.parent if nvcc else Path("/usr/local/cuda")
+
+
+def libcuda_for_link(home: Path | None = None) -> Libcuda:
+    """Which libcuda FlashInfer's link would take here: asked of the linker itself (a link of an
+    empty library with FlashInfer's -L flags and -lcuda, traced)."""
+    home = home or cuda_home()
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory(prefix="sm120patch-link-") as scratch:
+        try:
+            proc = subprocess.run([cxx, "-shared", "-x", "c", os.devnull, f"-L{home}/lib64", f"-L{home}/lib64/stubs",
+                                   "-lcuda", "-Wl,--trace", "-o", str(Path(scratch) / "probe.so")],
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return Libcuda("none", None, home)
+    found = re.search(r"(/\S*libcuda\.so[.\d]*)", proc.stdout + proc.stderr) if proc.returncode == 0 else None
+    if found is None:
+        return Libcuda("none", None, home)
+    path = Path(found.group(1))
+    return Libcuda("toolkit stub" if "stubs" in path.parts else "driver", path, home)
+
+
+def driver_symbols(objects: list[Path]) -> list[str]:
+    """The CUDA driver functions ``objects`` call and do not define."""
+    if not objects:
+        return []
+    proc = subprocess.run(["nm", "--undefined-only", "--format=just-symbols", *map(str, objects)],
+                          capture_output=True, text=True, check=True)
+    return sorted({name for name in proc.stdout.split() if _DRIVER_SYMBOL.match(name)})
+
+
+def build_stub(symbols: list[str], directory: Path) -> Path:
+    """``directory``/libcuda.so: each of ``symbols`` a function that answers "no device", and
+    the soname libcuda.so.1 (what the real library names itself, so what the module records)."""
+    source = directory / "libcuda_stub.c"
+    source.write_text("/* sm120patch: a link-time stand-in for the CUDA driver; never loaded. */\n"
+                      + "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n" for name in symbols))
+    library = directory / "libcuda.so"
+    compiler = os.environ.get("CC", "cc")
+    proc = subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(library), str(source)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise CheckFailedError(f"could not build a libcuda stub for the link with {compiler}: "
+                               f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return library
 
 
 def _run_as(owner: Owner | None) -> dict:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import jitcache
+from sm120patch import jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning, status_exit_code
 from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
@@ -27,7 +27,7 @@ from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageErro
 from sm120patch.fusionpath import FusionVerdict, judge
 from sm120patch.hashing import sha256
 from sm120patch.invocation import command
-from sm120patch.state import Owner, state_root
+from sm120patch.state import Orphan, Owner, orphans, state_root, temporaries
 from sm120patch.transaction import (
     Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover, someone_holds,
 )
@@ -126,6 +126,8 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
             if distribution.name in named:
                 raise UsageError(f"{distribution.name} is not installed in {env.executable}")
             continue
+        if dist.raw_version is None:
+            raise _no_version(env, dist)
         if dist.editable_source is not None:
             tree = open_checkout(dist.editable_source, registry)
             located.routed.append((distribution.name, dist.editable_source))
@@ -134,6 +136,17 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
         _check_version(tree, named.get(distribution.name, ANY), request, python=str(env.executable))
         located.trees.append(tree)
     return located
+
+
+def _no_version(env: Environment, dist) -> RefusedError:
+    """METADATA without a Version: field: a damaged install, whose release (so its patch set, its
+    manifest, its JIT cache entries) cannot be known."""
+    named = dist.dist_info.name[:-len(".dist-info")].rpartition("-")[2]  # <name>-<version>.dist-info
+    hint = None
+    if named and named[0].isdigit():
+        hint = f"reinstall it: `{env.reinstall_command(dist._replace(raw_version=named))}`"
+    return RefusedError(f"{dist.name} in {dist.site_dir} has no version: {dist.dist_info / 'METADATA'} has no "
+                        "Version: field (a damaged install)", hint=hint)
 
 
 def _check_version(tree, wanted: str, request: Request, *, python: str | None = None) -> None:
@@ -229,6 +242,8 @@ class StatusReport(NamedTuple):
     aot: list[jitcache.AotShadow]
     registry_names: tuple[str, ...] = ()
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
+    orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
+    temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
 
     @property
     def exit_code(self) -> ExitCode:
@@ -267,8 +282,11 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
                                 advice=tree.distribution.advice_for(tree.version, a.applied_ids),
                                 routed_from=routed.get(tree.distribution.name)))
     trees = _fusion_verdicts(trees, located)
+    site_dirs = list(dict.fromkeys(t.dist.site_dir for t in located.installed))
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
-                        registry_names=registry.names, apply_command=located.command("apply"))
+                        registry_names=registry.names, apply_command=located.command("apply"),
+                        orphans=[o for d in site_dirs for o in orphans(d)],
+                        temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)])
 
 
 def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStatus]:
@@ -292,7 +310,7 @@ def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_comm
     try:
         journal = read_journal(journal_at(site_dir), revert_command=revert_command)
     except Sm120PatchError as exc:
-        return f"unreadable journal ({exc.message})", True
+        return exc.message, True  # in its own words: unreadable, or not even readable by this user
     if journal is None:
         return pending, blocks
     if someone_holds(site_dir):
@@ -362,6 +380,7 @@ class ChangeReport:
     aot: list[jitcache.AotShadow] = field(default_factory=list)
     routed: list[tuple[str, Path]] = field(default_factory=list)
     leftovers_removed: list[Path] = field(default_factory=list)
+    orphans_removed: list[Orphan] = field(default_factory=list)  # state of installs that are gone
     builds: list = field(default_factory=list)  # jitbuild.BuildResult, apply --build
     build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
 
@@ -371,7 +390,7 @@ class ChangeReport:
 
     @property
     def changed(self) -> bool:
-        return bool(self.jit_removed or self.leftovers_removed or self.recovery or any(b.compiled for b in self.builds)
+        return bool(self.jit_removed or self.leftovers_removed or self.orphans_removed or self.recovery or any(b.compiled for b in self.builds)
                     or any((r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed)
                            for r in self.results))
 
@@ -450,7 +469,8 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         if request.dry_run:
             return report
         _write(report, located, plans, request, operation="apply")
-    if request.build:  # after the lock: a build takes minutes, and FlashInfer's own lock guards it
+    signals.resume()  # the write and its cleanup are over: a build (minutes) can be interrupted
+    if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
             report.builds = _build(located, request)
         except Sm120PatchError as exc:  # the patch stands; the report says so, then the error
@@ -535,9 +555,12 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     from sm120patch.transaction import leftover_runs, prune
 
     runs = {run for tree in located.installed for run in leftover_runs(tree.dist.site_dir)}
-    for tree in located.installed:  # empty directories a run killed in its last steps left
+    for tree in located.installed:  # temporaries and empty directories a killed run left
         root = state_root(tree.dist.site_dir)
         if not (root / "journal.json").exists():
+            for temporary in temporaries(tree.dist.site_dir):
+                temporary.unlink(missing_ok=True)
+                report.leftovers_removed.append(temporary)
             prune(root)
     if not runs:
         return
@@ -606,6 +629,7 @@ def _write(report: ChangeReport, located: Located, plans: list[Plan], request: R
                 changes += _jit_changes(tree, installed, request, report, locks, roots[0])
             for plan in installed:
                 changes += _changes(plan, operation)
+            changes += _orphan_changes(located, report)
             if not changes:
                 return
             Transaction(operation, roots, owners, changes,
@@ -614,6 +638,18 @@ def _write(report: ChangeReport, located: Located, plans: list[Plan], request: R
         for tree in commits:
             revert_checkout(tree)
         raise
+
+
+def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
+    """The state of installs that are gone (uninstalled, or another version now), removed in the
+    same transaction: a full revert then leaves no .sm120patch/ behind."""
+    changes = []
+    for site_dir in dict.fromkeys(t.dist.site_dir for t in located.installed):
+        for orphan in orphans(site_dir):
+            report.orphans_removed.append(orphan)
+            changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
+                        for path in orphan.files]
+    return changes
 
 
 def _changes(plan: Plan, operation: str) -> list[Change]:
@@ -648,6 +684,11 @@ def _changes(plan: Plan, operation: str) -> list[Change]:
                                   label=f"{plan.assessment.name} ledger"))
         elif state.ledger_path.exists():
             changes.append(Change("remove", state.ledger_path, root, label=f"{plan.assessment.name} ledger"))
+            # With the ledger, every original it kept goes (a reinstall put the release's bytes back
+            # without sm120patch: nothing to restore, but the state is still there).
+            removed = {c.path for c in changes}
+            changes += [Change("remove", path, root, label=f"original {path.relative_to(state.root / 'originals')}")
+                        for path in state.files() if path != state.ledger_path and path not in removed]
     return changes
 
 

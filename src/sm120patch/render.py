@@ -76,6 +76,8 @@ def render_status(report: StatusReport) -> str:
         where = f"  ({tree.root})" if not isinstance(tree, CheckoutTree) else ""
         head = f"{a.name} {a.raw_version}" + (" checkout at " + str(tree.root) if isinstance(tree, CheckoutTree) else "")
         lines.append(f"{head}: {a.verdict.value}{where}")
+        if tree.shared_with:
+            lines.append(f"  ! installed in {tree.shared_with}")
         if item.routed_from is not None:
             lines.append(f"  editable install of {item.routed_from}: `apply` patches that checkout as a commit")
         shown = a.patch_set or (distribution.closest_set(tree.version) if item.by_meaning else None)
@@ -118,6 +120,14 @@ def render_status(report: StatusReport) -> str:
         lines.append("")
         lines.append(f"AOT: {shadow.path} ({shadow.source})")
         lines.append(f"  ! {AOT_HINT}")
+    if report.orphans or report.temporaries:
+        lines.append("")
+        lines.append(f"Left behind (`{report.apply_command}` or a revert removes it):")
+    for orphan in report.orphans:
+        lines.append(f"  ! {orphan.state.root}: sm120patch's state of {orphan.name} ({orphan.describe()}); that install "
+                     "is gone (uninstalled, or another version now)")
+    for path in report.temporaries:
+        lines.append(f"  ! {path}: a temporary file of a run that was killed")
     return "\n".join(lines)
 
 
@@ -148,6 +158,9 @@ def status_json(report: StatusReport) -> dict:
         "exit_code": int(report.exit_code),
         "distributions": [],
         "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
+        "orphaned_state": [{"state": str(o.state.root), "install": o.name, "files": [str(f) for f in o.files]}
+                           for o in report.orphans],
+        "leftover_temporaries": [str(p) for p in report.temporaries],
     }
     for item in report.trees:
         a, tree = item.assessment, item.tree
@@ -215,6 +228,12 @@ def render_change(report: ChangeReport) -> str:
                      if r.operation != "unknown" else "removed an unreadable journal (--force)")
     for name, path in report.routed:
         lines.append(f"{name} is an editable install of {path}: patching that checkout as a commit instead")
+    for path in report.leftovers_removed:
+        lines.append(f"removed {path}, left by an earlier run that was killed")
+    if not report.dry_run:
+        for orphan in report.orphans_removed:
+            lines.append(f"removed sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
+                         "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
     if report.jit_base and (report.jit_removed or report.jit_sources_changed) and not report.dry_run:
@@ -232,10 +251,20 @@ def render_change(report: ChangeReport) -> str:
         lines.append(f"  {built.proof}")
         if built.note:
             lines.append(f"  note: {built.note}")
+        if built.libcuda:
+            lines.append(f"  note: {built.libcuda}")
     return "\n".join(lines)
 
 
 def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
+    lines = _changed_lines(report, result, verb)
+    tree = result.plan.assessment.tree if result.plan is not None else None
+    if tree is not None and tree.shared_with and result.plan.files:
+        lines.append(f"  note: {result.name} is installed in {tree.shared_with}")
+    return lines
+
+
+def _changed_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
     head = f"{result.name} {result.version}"
     if result.undo is not None:
         return [f"{head}: {result.undo.message}"]
@@ -256,6 +285,9 @@ def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
     if not plan.files:
         if not plan.adopted and report.operation == "revert" and plan.assessment.ledger is None:
             lines.append(f"{head}: nothing to revert (not patched)")
+        elif not plan.adopted and report.operation == "revert" and plan.ledger_changes:
+            lines.append(f"{head}: the files hold the release's bytes already (a reinstall put them back); removed "
+                         "sm120patch's ledger and saved originals of them")
         elif not plan.adopted:
             lines.append(f"{head}: nothing to change (already {verb})")
         return lines
@@ -290,6 +322,9 @@ def change_json(report: ChangeReport) -> dict:
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),
             "finished": report.recovery.finished},
         "routed": [{"name": n, "checkout": str(p)} for n, p in report.routed],
+        "leftovers_removed": [str(p) for p in report.leftovers_removed],
+        "orphans_removed": [{"state": str(o.state.root), "files": [str(f) for f in o.files]}
+                            for o in report.orphans_removed] if not report.dry_run else [],
         "results": [
             {
                 "name": r.name,
@@ -316,7 +351,7 @@ def change_json(report: ChangeReport) -> dict:
         "build_error": report.build_error.message if report.build_error else None,
         "builds": [{"module": b.module, "entry": str(b.entry), "archs": b.archs, "seconds": round(b.seconds, 1),
                     "compiled": b.compiled,
-                    "proof": b.proof, "note": b.note} for b in report.builds],
+                    "proof": b.proof, "note": b.note, "libcuda_stub": b.libcuda} for b in report.builds],
     }
 
 

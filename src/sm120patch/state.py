@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
 from sm120patch.errors import TransactionError
+from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
 
 STATE_DIR_MODE = 0o700
@@ -165,7 +166,7 @@ class InstallState(NamedTuple):
 
     def read_ledger(self) -> Ledger | None:
         try:
-            data = self.ledger_path.read_bytes()
+            data = read_regular(self.ledger_path)
         except FileNotFoundError:
             return None
         except PermissionError:
@@ -176,7 +177,56 @@ class InstallState(NamedTuple):
     def saved_original(self, relpath: str, expected: str) -> bytes | None:
         """The saved release bytes of ``relpath`` when they hash to ``expected``."""
         try:
-            data = self.original(relpath).read_bytes()
+            data = read_regular(self.original(relpath))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
         return data if sha256(data) == expected else None
+
+    def files(self) -> list[Path]:
+        """Every file this install's state holds (its ledger, its saved originals)."""
+        return sorted(p for p in self.root.rglob("*") if p.is_file() or p.is_symlink()) if self.root.is_dir() else []
+
+
+class Orphan(NamedTuple):
+    """The state of an install that is gone: uninstalled, or upgraded to another version (its
+    .dist-info went with it)."""
+
+    state: InstallState
+    files: tuple[Path, ...]
+
+    @property
+    def name(self) -> str:
+        return self.state.root.name  # the .dist-info it belonged to
+
+    def describe(self) -> str:
+        originals = sum(1 for f in self.files if "originals" in f.relative_to(self.state.root).parts)
+        parts = (["ledger"] if self.state.ledger_path in self.files else []) + (
+            [f"{originals} saved original{'s' if originals != 1 else ''}"] if originals else [])
+        return ", ".join(parts) or f"{len(self.files)} file(s)"
+
+
+def orphans(site_dir: Path) -> list[Orphan]:
+    """The states in ``site_dir``'s state root whose .dist-info is no longer installed there."""
+    root = state_root(site_dir)
+    try:
+        children = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        if child.name.endswith(".dist-info") and child.is_dir() and not (site_dir / child.name).is_dir():
+            state = InstallState(child)
+            found.append(Orphan(state, tuple(state.files())))
+    return found
+
+
+TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")  # transaction.temporary()'s names
+
+
+def temporaries(site_dir: Path) -> list[Path]:
+    """Temporary files a killed run left in ``site_dir``'s state root (a run that dies between
+    creating one and renaming it has no chance to remove it)."""
+    root = state_root(site_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.rglob(".*.sm120patch-*") if TEMPORARY.match(p.name) and not p.is_dir())

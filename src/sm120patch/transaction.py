@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+from sm120patch import signals
 from sm120patch.errors import TransactionError
+from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
 from sm120patch.state import Owner, ensure_dir, state_root
 
@@ -57,9 +59,9 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode and
     owner (else ``owner``), ``os.replace`` it over ``path`` and fsync the directory."""
-    tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
-    try:
+    tmp = temporary(path)
+    try:  # from the moment the file exists: an exception (a signal too) takes it away again
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
         try:
             view = memoryview(data)
             while view:
@@ -73,6 +75,11 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None,
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def temporary(path: Path, suffix: str = "tmp") -> Path:
+    """The name of the temporary file beside ``path`` that this process replaces it with."""
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid()}.{suffix}")
 
 
 def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
@@ -91,7 +98,7 @@ def describe(path: Path) -> dict:
     if path.is_symlink():
         return {"type": "link", "target": os.readlink(path)}
     try:
-        return {"type": "file", "sha256": sha256(path.read_bytes())}
+        return {"type": "file", "sha256": sha256(read_regular(path))}
     except FileNotFoundError:
         return {"type": "missing"}
     except IsADirectoryError:
@@ -195,7 +202,7 @@ class Change(NamedTuple):
         if self.op == "write":
             return {"type": "file", "sha256": sha256(self.data)}
         if self.op == "restore":
-            return {"type": "file", "sha256": sha256(self.source.read_bytes())}
+            return {"type": "file", "sha256": sha256(read_regular(self.source))}
         if self.op == "symlink":
             return {"type": "link", "target": self.target}
         return {"type": "missing"}
@@ -276,10 +283,14 @@ class Transaction:
             elif change.op == "restore":
                 _place(change.source, change.path)
             elif change.op == "symlink":
-                tmp = change.path.with_name(f".{change.path.name}.sm120patch-{os.getpid()}.link")
+                tmp = temporary(change.path, "link")
                 tmp.unlink(missing_ok=True)
-                os.symlink(change.target, tmp)
-                os.replace(tmp, change.path)
+                try:
+                    os.symlink(change.target, tmp)
+                    os.replace(tmp, change.path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
                 fsync_dir(change.path.parent)
             elif change.op == "remove":
                 change.path.unlink(missing_ok=True)
@@ -298,6 +309,7 @@ class Transaction:
 
     # -- commit ----------------------------------------------------------------------------------
     def commit(self) -> None:
+        signals.commit_point(self.operation)  # from here the change stands: a signal is only noted
         self.journal.unlink()  # the commit point
         fsync_dir(self.journal.parent)
         for root in self.roots[1:]:
@@ -395,15 +407,15 @@ def _place(source: Path, path: Path) -> None:
     space), else a copy."""
     import shutil
 
-    tmp = path.with_name(f".{path.name}.sm120patch-{os.getpid()}.tmp")
+    tmp = temporary(path)
     tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        shutil.copy2(source, tmp, follow_symlinks=False)
-    try:
+    try:  # from the moment the link exists: an exception (a signal too) takes it away again
+        try:
+            os.link(source, tmp, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            shutil.copy2(source, tmp, follow_symlinks=False)
         if path.is_symlink():
             path.unlink()
         os.replace(tmp, path)
@@ -455,9 +467,11 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> dict | No
     """The journal at ``path`` (following a pointer to its primary), or None. A pointer whose
     primary is gone belonged to a run that committed: it is removed."""
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         return None
+    except PermissionError:  # whether there is a journal at all cannot be known: say that, not more
+        raise _no_access(path.parent) from None
     except (OSError, ValueError) as exc:
         raise _unreadable(path, exc, revert_command) from None
     if isinstance(document, dict) and "primary" in document:
@@ -478,6 +492,21 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> dict | No
     return document
 
 
+def _no_access(directory: Path) -> TransactionError:
+    import shlex
+
+    try:
+        owner = Owner.of(directory)
+    except OSError:
+        owner = None
+    mine = owner is not None and owner.uid == os.geteuid()
+    return TransactionError(
+        f"sm120patch's state directory {directory} cannot be read by this user (uid {os.geteuid()}): permission "
+        "denied; nothing was changed",
+        hint=f"chmod 700 {shlex.quote(str(directory))}" if mine else
+             f"run sm120patch as {owner.user}, who owns it" if owner else None)
+
+
 def _unreadable(path: Path, exc: Exception, revert_command: str) -> TransactionError:
     return TransactionError(
         f"the journal {path} of an interrupted sm120patch run is unreadable ({exc}); nothing was changed",
@@ -494,6 +523,11 @@ def rollback(journal_path: Path, *, revert_command: str = REVERT_FORCE) -> tuple
     stash, each JIT entry back in place; then drop the journal(s). Idempotent. When a path can
     no longer be restored but every change had been made, the run is finished instead (the
     environment is then wholly in its after-state). Returns the labels restored."""
+    with signals.held():  # a rollback cut in half would leave the next run less to go on
+        return _rollback(journal_path, revert_command)
+
+
+def _rollback(journal_path: Path, revert_command: str) -> tuple[str, ...]:
     journal = read_journal(journal_path, revert_command=revert_command)
     if journal is None:
         return ()
@@ -561,6 +595,11 @@ def _drop_journals(journal: dict) -> None:
     import shutil
 
     primary = Path(journal["_path"])
+    pid = journal.get("pid")
+    for entry in journal["entries"]:  # a run killed between making a temporary and renaming it
+        path = Path(entry["path"])
+        for suffix in ("tmp", "link"):
+            path.with_name(f".{path.name}.sm120patch-{pid}.{suffix}").unlink(missing_ok=True)
     primary.unlink(missing_ok=True)
     roots = [Path(r) for r in journal["roots"]]
     for root in roots:

@@ -21,6 +21,7 @@ from packaging.version import Version
 from sm120patch.distributions import Distribution, Registry
 from sm120patch.environment import Environment, InstalledDistribution, parse_version
 from sm120patch.errors import TargetError
+from sm120patch.fileio import read_regular
 from sm120patch.patchsets import normalize_relpath
 from sm120patch.state import InstallState, Owner
 
@@ -64,6 +65,15 @@ class InstalledTree:
     def owner(self) -> Owner:
         return Owner.of(self.dist.site_dir)
 
+    @property
+    def shared_with(self) -> str | None:
+        """Who else sees these files, when it is not this environment alone: a venv made with
+        --system-site-packages reads its base interpreter's packages."""
+        if self.env.shares_base(self.dist):
+            return (f"the base interpreter's packages ({self.env.base_prefix}), which this environment reads through "
+                    "--system-site-packages: a change there is a change for every environment on that base")
+        return None
+
     def release_sha256(self, relpath: str) -> str | None:
         entry = self.dist.record.get(relpath)
         return entry.sha256 if entry else None
@@ -76,9 +86,19 @@ class InstalledTree:
         except ValueError as exc:
             return FileRead(relpath, self.root / relpath, None, problem=str(exc))
         path = self.root / relpath
+        if self.dist.record_error:
+            return FileRead(relpath, path, None, problem=f"{self.dist.dist_info / 'RECORD'} cannot be read "
+                                                         f"({self.dist.record_error}); sm120patch checks every file "
+                                                         "against it")
         if relpath not in self.dist.record:
             return FileRead(relpath, path, None, problem=f"{relpath} is not listed in {self.dist.name}'s RECORD; "
                                                          "sm120patch only edits files the installed release owns")
+        if self.dist.record[relpath].sha256 is None:
+            algorithm = self.dist.record[relpath].algorithm
+            return FileRead(relpath, path, None, problem=f"{self.dist.name}'s RECORD lists {relpath} with "
+                                                         f"{'an ' + algorithm + ' hash' if algorithm else 'no hash'}, "
+                                                         "not sha256: sm120patch checks every file it changes against "
+                                                         "the release's sha256")
         if not path.parent.resolve().is_relative_to(self.root.resolve()):
             return FileRead(relpath, path, _read(path), problem=f"{path.parent} leads outside {self.root} "
                                                                 "(a symbolic link in the package's directories)")
@@ -91,7 +111,7 @@ class InstalledTree:
 
 def _read(path: Path) -> bytes | None:
     try:
-        return path.read_bytes()
+        return read_regular(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
 
@@ -123,6 +143,8 @@ class CheckoutTree:
 
     def release_sha256(self, relpath: str) -> str | None:
         return self.pristine.get(relpath)
+
+    shared_with = None  # a checkout is its own
 
     def read(self, relpath: str) -> FileRead:
         path = self.root / self.repo_path(relpath)

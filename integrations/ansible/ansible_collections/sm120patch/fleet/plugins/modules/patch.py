@@ -167,7 +167,7 @@ def main():
     if module.check_mode:
         argv = [exe, "status", *common, "--json"]
         rc, document, _, err = run(module, argv)
-        if document is None:
+        if document is None or "error" in document:  # --json errors are a document too
             fail(module, argv, rc, err)
         applied = any(p["state"] == "applied" for d in document["distributions"] for p in d["patches"])
         module.exit_json(changed=applied, report=document, exit_code=rc)

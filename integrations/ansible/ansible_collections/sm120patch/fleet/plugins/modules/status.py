@@ -69,6 +69,8 @@ def main():
     rc, out, err = module.run_command(argv)
     try:
         document = json.loads(out)
+        if "error" in document:  # an error, as --json prints it: the stderr line says it as well
+            raise ValueError(document["error"]["message"])
     except ValueError:
         lines = [line for line in err.splitlines() if line.strip()]
         module.fail_json(msg=f"{lines[0] if lines else 'sm120patch status printed no JSON'} (exit code {rc})",

@@ -1,0 +1,111 @@
+"""Ctrl-C (SIGINT), SIGTERM (systemd, Ansible, `kill`) and SIGHUP (a closed terminal) end a run
+the same way, and what the run then says is what happened:
+
+- before a transaction's commit point the signal is raised as an exception where the run is
+  (:class:`Interrupted`, a BaseException as KeyboardInterrupt is); the transaction rolls back,
+  and the CLI exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP);
+- while a rollback runs, or from the commit point until the command has finished its write
+  (cleanup, report), a signal is only noted: a rollback cut in half, or a commit reported as a
+  rollback, would each make the message false. The command then finishes, says that the change
+  stands, and exits as it would have.
+
+Only the CLI installs the handlers (:func:`handled`); used as a library, sm120patch leaves the
+process's signals alone and these functions do nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP, raised where the run is (one class for the three: click turns a
+    KeyboardInterrupt into an Abort, with a blank line on stderr first)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _State:
+    installed = False
+    holding = 0  # > 0: signals are noted, not raised
+    committed: str | None = None  # the operation whose commit point this process passed
+    noted: list[int] = []  # signals that arrived while holding (not raised)
+    late: list[int] = []  # of those, the ones that arrived after a commit point
+
+
+STATE = _State()
+
+
+def exit_code(signum: int) -> int:
+    return 128 + signum  # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _raise(signum: int) -> None:
+    raise Interrupted(signum)
+
+
+def _handler(signum: int, frame) -> None:  # noqa: ARG001 - the signal module's signature
+    if STATE.holding:
+        (STATE.late if STATE.committed else STATE.noted).append(signum)
+        return
+    _raise(signum)
+
+
+@contextmanager
+def handled() -> Iterator[None]:
+    """The handlers, for one command (the CLI)."""
+    previous = {s: signal.getsignal(s) for s in HANDLED}
+    STATE.installed, STATE.holding, STATE.committed, STATE.noted, STATE.late = True, 0, None, [], []
+    for s in HANDLED:
+        signal.signal(s, _handler)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        STATE.installed = False
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """A section no signal may cut (a rollback): one that arrives is raised when it ends."""
+    if not STATE.installed:
+        yield
+        return
+    STATE.holding += 1
+    try:
+        yield
+    finally:
+        STATE.holding -= 1
+    if not STATE.holding and STATE.noted and not STATE.committed:
+        _raise(STATE.noted.pop(0))
+
+
+def commit_point(operation: str) -> None:
+    """Called just before the commit point: from here the change stands, and signals are only
+    noted until :func:`resume`."""
+    if STATE.installed and STATE.committed is None:
+        STATE.holding += 1
+        STATE.committed = operation
+
+
+def resume() -> None:
+    """The write is over (cleanup done): signals act again. One noted after the commit point
+    stays in :attr:`_State.late` for the CLI to report."""
+    if STATE.installed and STATE.committed is not None and STATE.holding:
+        STATE.holding -= 1
+
+
+def late() -> int | None:
+    """The first signal that arrived after the commit point, if any."""
+    return STATE.late[0] if STATE.late else None
