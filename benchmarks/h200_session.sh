@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_session.sh owner     # root runs apply --build for nobody's cache base, on a tty
 #   bash benchmarks/h200_session.sh gpu-test  # the test suite's GPU test (pytest -m gpu), with this venv
 #   bash benchmarks/h200_session.sh unicast   # doctor's driver reading; SymmDeviceMemory without multicast, pristine/patched
+#   bash benchmarks/h200_session.sh stub      # a GPU-less apply --build (no libcuda for the link), then its first use here
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -77,6 +78,37 @@ gpu-test)
         .whl/gitdb-*.whl .whl/smmap-*.whl .whl/libcst-*.whl
     step env SM120PATCH_GPU_PYTHON=/tmp/env/bin/python SM120PATCH_WHEEL_CACHE=$PWD/.whl \
         python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_build.py
+    ;;
+stub)
+    # A GPU-less image build on this machine: no GPU visible, a view of the toolkit without
+    # lib64/stubs, LIBRARY_PATH unset (the image sets it to the toolkit's stubs), and the driver's
+    # development link libcuda.so (what -lcuda finds; nothing loads it, the loader takes
+    # libcuda.so.1) moved aside for the build, then put back.
+    echo "LIBRARY_PATH of this image: ${LIBRARY_PATH:-unset}"
+    NOLIB=(env -u LIBRARY_PATH)
+    CUDA=$(python3 -c 'from sm120patch.jitbuild import cuda_home; print(cuda_home())')
+    REAL=$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')
+    rm -rf /tmp/cudaview && mkdir -p /tmp/cudaview/lib64
+    for e in "$CUDA"/*; do [ "$(basename "$e")" = lib64 ] || ln -s "$e" "/tmp/cudaview/$(basename "$e")"; done
+    for e in "$CUDA"/lib64/*; do [ "$(basename "$e")" = stubs ] || ln -s "$e" "/tmp/cudaview/lib64/$(basename "$e")"; done
+    HIDDEN=()
+    for f in /lib/libcuda.so /usr/lib/libcuda.so /lib/x86_64-linux-gnu/libcuda.so /usr/lib/x86_64-linux-gnu/libcuda.so \
+             /usr/local/nvidia/lib64/libcuda.so /usr/lib64/libcuda.so; do
+        if [ -e "$f" ] || [ -L "$f" ]; then mv "$f" "$f.hidden-by-sm120patch" 2>/dev/null && HIDDEN+=("$f"); fi
+    done
+    restore() { for f in "${HIDDEN[@]}"; do mv "$f.hidden-by-sm120patch" "$f"; done; HIDDEN=(); }
+    trap restore EXIT
+    echo "moved aside for the build: ${HIDDEN[*]:-nothing}"
+    step python3 -c "from pathlib import Path; from sm120patch.jitbuild import libcuda_for_link as f; print('toolkit:', f(Path('$CUDA')).describe())"
+    step "${NOLIB[@]}" python3 -c "from pathlib import Path; from sm120patch.jitbuild import libcuda_for_link as f; print('view, no LIBRARY_PATH:', f(Path('/tmp/cudaview')).describe())"
+    step sm120patch apply "${P[@]}"
+    step /usr/bin/time -f "GPU-less apply --build wall time: %e s" "${NOLIB[@]}" CUDA_HOME=/tmp/cudaview CUDA_VISIBLE_DEVICES= \
+        python3 -m sm120patch build "${P[@]}" --arch 9.0a
+    restore
+    step python3 -c "from pathlib import Path; from sm120patch.jitbuild import libcuda_for_link as f; print('after, view:', f(Path('/tmp/cudaview')).describe())"
+    step env CUDA_HOME=/tmp/cudaview FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/libcuda_stub_gpu.py \
+        --real "$REAL" | tee "$OUT/libcuda-stub.json"
+    step sm120patch revert "${P[@]}"
     ;;
 restart)
     step sm120patch apply "${P[@]}"

@@ -119,19 +119,26 @@ def undefined(library: Path) -> set[str]:
 
 
 @pytest.mark.nvcc
-def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert_removes_it(runtime_env):
+def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert_removes_it(runtime_env, monkeypatch,
+                                                                                             tmp_path):
     """An image build: no GPU, no driver, `--arch 12.0a`, and this machine's toolkit (assembled
     from PyPI's nvidia-cuda-* wheels) has no lib64/stubs/libcuda.so. FlashInfer's JIT compiles
     every source of the patched trtllm_comm for sm_120a (minutes); the link, which needs
     libcuda, is done again against a stub sm120patch makes from the objects' driver calls. The
-    module records NEEDED libcuda.so.1 (what the GPU server's driver provides), leaves the same
-    driver functions undefined as the objects call, and revert removes the entry."""
-    from sm120patch.jitbuild import driver_symbols, libcuda_for_link
+    module records NEEDED libcuda.so.1 exactly when it calls the driver (what the GPU server's
+    driver then provides), leaves the driver functions the objects call undefined, and revert
+    removes the entry."""
+    from sm120patch.jitbuild import cuda_home, driver_symbols, libcuda_for_link
     from sm120patch.ptx import find_nvcc
 
     from helpers import need
 
     need(find_nvcc() is not None, "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
+    # The toolkit's root, as a user sets it where FlashInfer's guess (two levels above the nvcc on
+    # PATH: here a wrapper script in /usr/local/bin) is not one.
+    roots = [r for r in (cuda_home(), Path("/usr/local/cuda")) if (r / "lib64" / "libcudart.so").exists()]
+    need(bool(roots), "no CUDA toolkit root with lib64/libcudart.so")
+    monkeypatch.setenv("CUDA_HOME", str(roots[0]))
     session = Session(runtime_env)
     entry = runtime_env.jit_entry("120a", "trtllm_comm")
     try:
@@ -139,12 +146,27 @@ def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert
         assert result.exit_code == 0, result.output
         assert "built trtllm_comm for 120a" in result.output and (entry / "trtllm_comm.so").exists()
         stub_used = libcuda_for_link().kind == "none"
-        assert ("linked against a libcuda stub sm120patch made for the link" in result.output) is stub_used
+        assert ("linked against a libcuda stub sm120patch made for this link alone" in result.output) is stub_used
         needed, _ = readelf_dynamic(entry / "trtllm_comm.so")
-        assert "libcuda.so.1" in needed and "libcudart.so.13" in needed, needed
         calls = set(driver_symbols(sorted(entry.rglob("*.o"))))
-        assert calls and calls <= undefined(entry / "trtllm_comm.so")
+        print(f"\ntrtllm_comm's objects call {len(calls)} driver function(s) directly: {sorted(calls)}; NEEDED {needed}")
+        # The linker records libcuda.so.1 when the module calls the driver (it drops a library
+        # nothing uses, with or without the stub); the runtime is always there.
+        assert ("libcuda.so.1" in needed) == bool(calls) and "libcudart.so.13" in needed, needed
+        assert calls <= undefined(entry / "trtllm_comm.so")
         assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("sm120patch-libcuda-*"))  # the stub is gone
+        # Where the linker finds a libcuda (NVIDIA's images put the toolkit's stubs on LIBRARY_PATH),
+        # the same link (ninja redoes it alone) uses that one, and sm120patch makes none.
+        from sm120patch.jitbuild import build_stub
+
+        image_stubs = tmp_path / "image-stubs"
+        image_stubs.mkdir()
+        build_stub(sorted(calls), image_stubs)
+        monkeypatch.setenv("LIBRARY_PATH", str(image_stubs))
+        (entry / "trtllm_comm.so").unlink()
+        again = session("build", "--arch", "12.0a")
+        assert again.exit_code == 0 and (entry / "trtllm_comm.so").exists(), again.output
+        assert "stub sm120patch made" not in again.output
     finally:
         assert session("revert").exit_code == 0
     assert not entry.exists()
@@ -304,3 +326,15 @@ def test_on_a_gpu_the_first_use_after_apply_build_compiles_nothing(tmp_path):
         assert session("revert").exit_code == 0
     assert changed(before, tree_snapshot(env.root)) == []
     assert not library.parent.exists()  # revert removed the entry built from the patched sources
+
+
+def test_the_link_errors_name_each_missing_library():
+    """Only a link that misses libcuda alone gets the stub; one that misses the runtime too (a
+    CUDA home that is not the toolkit's root) is told to set CUDA_HOME."""
+    from sm120patch.jitbuild import _missing_libraries
+
+    both = ["/usr/bin/ld: cannot find -lcudart: No such file or directory",
+            "/usr/bin/ld: cannot find -lcuda: No such file or directory", "collect2: error: ld returned 1 exit status"]
+    assert _missing_libraries(both) == ["cuda", "cudart"]
+    assert _missing_libraries(both[1:]) == ["cuda"]
+    assert _missing_libraries(["ninja: build stopped: subcommand failed."]) == []

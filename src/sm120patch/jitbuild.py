@@ -131,13 +131,14 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     start = time.monotonic()
     events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress)
     libcuda = None
-    if "error" in events and events.get("build_dir") and "cannot find -lcuda" in "\n".join(tail):
+    if "error" in events and events.get("build_dir") and _missing_libraries(tail) == ["cuda"]:
         # Every object compiled; only libcuda is missing. Link again (ninja redoes the link alone)
         # against a stub made from the objects' own driver calls.
         events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress, Path(events["build_dir"]), owner)
     elapsed = time.monotonic() - start
     where = events.get("build_dir")
     if "error" in events:
+        home = _ninja_cuda_home(Path(where)) if where else None
         if where and not events.get("existed"):  # no half-written cache entry
             shutil.rmtree(where, ignore_errors=True)
         kind = events.get("kind")
@@ -148,12 +149,15 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
             raise UsageError(f"cannot tell which GPUs to build {module} for: {events['error']}",
                              hint="pass --arch with the server's compute capability, e.g. --arch 12.0a")
         detail = "\n".join(tail)
-        if "cannot find -lcuda" in detail:  # every object compiled; the link needs libcuda
+        missing = [name for name in _missing_libraries(tail) if name != "cuda" or libcuda is None]
+        if missing:  # every object compiled; the link found no such library where FlashInfer looks
+            where_text = f"{home}/lib64" if home else "$CUDA_HOME/lib64"
             raise CheckFailedError(
-                f"FlashInfer compiled {module} but could not link it: no libcuda (the CUDA driver, or the toolkit's "
-                "stub in $CUDA_HOME/lib64/stubs, which FlashInfer links against); the half-built entry was removed",
-                hint="build where the driver is, or in an image with the CUDA toolkit's stubs (the nvidia/cuda "
-                     "*-devel images have lib64/stubs/libcuda.so)")
+                f"FlashInfer compiled {module} but could not link it: no {', '.join('lib' + m for m in missing)} in "
+                f"{where_text} (FlashInfer's CUDA home: $CUDA_HOME, else two levels above the nvcc on PATH); the "
+                "half-built entry was removed",
+                hint="set CUDA_HOME to the CUDA toolkit's root (the directory with bin/nvcc and lib64/), e.g. "
+                     "CUDA_HOME=/usr/local/cuda, and run it again")
         raise CheckFailedError(f"FlashInfer's JIT build of {module} failed after {elapsed:.0f} s: {events['error']}"
                                + ("; the patched sources are in place, the half-built entry was removed"
                                   if where and not events.get("existed") else ""),
@@ -176,6 +180,20 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
                        arch_note(arch), libcuda)
 
 
+def _missing_libraries(tail: list[str]) -> list[str]:
+    """The -l libraries the linker said it cannot find (ld: "cannot find -lcuda")."""
+    return sorted(set(re.findall(r"cannot find -l([\w.+-]+)", "\n".join(tail))))
+
+
+def _ninja_cuda_home(build_dir: Path) -> str | None:
+    """The toolkit FlashInfer wrote into the entry's build.ninja (``cuda_home = ...``)."""
+    try:
+        found = re.search(r"^cuda_home = (.+)$", (build_dir / "build.ninja").read_text(), flags=re.M)
+    except OSError:
+        return None
+    return found.group(1).strip() if found else None
+
+
 def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, build_dir: Path,
                     owner: Owner | None) -> tuple[dict, list[str], str]:
     symbols = driver_symbols(sorted(build_dir.rglob("*.o")))
@@ -187,9 +205,11 @@ def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, 
                 os.chown(path, owner.uid, owner.gid)
         search = os.pathsep.join(filter(None, [scratch, env.get("LIBRARY_PATH")]))
         events, tail = _run(python, {"spec": spec, "phase": "build"}, dict(env, LIBRARY_PATH=search), run_as, progress)
-    why = (f"linked against a libcuda stub sm120patch made for the link ({len(symbols)} driver functions the objects "
-           "call; soname libcuda.so.1, then removed): this machine has no CUDA driver and no toolkit stub. The module "
-           "records NEEDED libcuda.so.1, which the GPU server's driver provides")
+    calls = (f"the {len(symbols)} driver function(s) the objects call, soname libcuda.so.1" if symbols else
+             "the objects call no driver function: the linker records no libcuda, as with the real driver")
+    why = (f"linked against a libcuda stub sm120patch made for this link alone ({calls}; then removed): the link "
+           "found no CUDA driver and no toolkit stub here" + (". The module records NEEDED libcuda.so.1: the GPU "
+                                                               "server's driver is what loads" if symbols else ""))
     return events, tail, why
 
 
