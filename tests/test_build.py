@@ -32,7 +32,9 @@ def test_build_refuses_unpatched_sources_and_changes_nothing(sm120patch, serving
     result = sm120patch("build")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "flashinfer-python 0.6.4 is not patched")
-    assert f"hint: run `sm120patch apply --build --python {serving_env.python}`" in result.output
+    # The hint names this target and the cache base given, so it works when copied as printed.
+    assert (f"hint: run `sm120patch apply --build --python {serving_env.python} --jit-cache-base {serving_env.home}`"
+            in result.output)
     assert changed(before, snapshot(serving_env)) == []
 
 

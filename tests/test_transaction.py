@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import textwrap
 import pytest
 
 from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, changed, snapshot
-from sm120patch import transaction
+from sm120patch import signals, transaction
 from sm120patch.errors import ExitCode, TransactionError
 from sm120patch.state import Owner, ensure_dir
 from sm120patch.transaction import atomic_write, install_locks
@@ -67,7 +68,7 @@ def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeyp
     assert changed(before, snapshot(serving_env)) == []
 
 
-def raise_after_two_files(monkeypatch, exc: type[BaseException]) -> dict:
+def raise_after_two_files(monkeypatch, exc: type[BaseException] | BaseException) -> dict:
     """Make the transaction raise ``exc`` right after it has written the second package file."""
     real_write = transaction.atomic_write
     writes = {"n": 0}
@@ -83,17 +84,20 @@ def raise_after_two_files(monkeypatch, exc: type[BaseException]) -> dict:
     return writes
 
 
-def test_ctrl_c_in_the_middle_runs_the_real_rollback(sm120patch, serving_env, monkeypatch):
-    """KeyboardInterrupt after the second package file: exit 130, and the rollback that really
-    runs on Ctrl-C leaves nothing changed anywhere (files, state, JIT entries)."""
+@pytest.mark.parametrize("interrupt", [signals.Interrupted(signal.SIGINT), KeyboardInterrupt()],
+                         ids=["ctrl-c-as-the-cli-raises-it", "keyboard-interrupt"])
+def test_ctrl_c_in_the_middle_runs_the_real_rollback(sm120patch, serving_env, monkeypatch, interrupt):
+    """Ctrl-C after the second package file (as the CLI's handler raises it, and as a plain
+    KeyboardInterrupt): exit 130, and the rollback that really runs on Ctrl-C leaves nothing
+    changed anywhere (files, state, JIT entries)."""
     serving_env.seed_jit()
     before = snapshot(serving_env)
-    writes = raise_after_two_files(monkeypatch, KeyboardInterrupt)
+    writes = raise_after_two_files(monkeypatch, interrupt)
     result = sm120patch("apply", "--flashinfer", "0.6.4")
     monkeypatch.undo()
     assert writes["n"] == 2
     assert result.exit_code == ExitCode.INTERRUPTED
-    assert "interrupted; any change in progress was rolled back" in result.output
+    assert "sm120patch: interrupted (SIGINT); any change in progress was rolled back\n" in result.output
     assert changed(before, snapshot(serving_env)) == []
     assert sm120patch("status").exit_code == ExitCode.NOT_OK  # no journal left: an ordinary pristine env
 
