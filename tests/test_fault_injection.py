@@ -22,6 +22,7 @@ import pytest
 
 from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
 from sm120patch.manifests import load_manifest
+from sm120patch.state import TEMPORARY
 
 STRACE = shutil.which("strace")
 
@@ -30,7 +31,6 @@ WRITE_SYSCALLS = (
     "write,pwrite64,openat,rename,renameat,renameat2,unlink,unlinkat,rmdir,mkdir,mkdirat,link,linkat,"
     "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
-TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")
 TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
 FILES = {**{relpath: "flashinfer-python" for relpath in FLASHINFER_FILES}, COMMUNICATOR: "sglang"}
 WORKERS = max(1, min(4, os.cpu_count() or 1))

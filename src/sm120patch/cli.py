@@ -102,6 +102,8 @@ class Group(click.Group):
     group_class = type  # subgroups (manifest) are this class too, so their commands are Commands
 
     def main(self, args=None, prog_name=None, **extra):  # noqa: D102 - click's entry point, one-line errors
+        global _emitted
+        _emitted = False  # per command: CliRunner runs many in one process
         with signals.handled():
             try:
                 code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)

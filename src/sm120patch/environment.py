@@ -172,9 +172,9 @@ class Environment(NamedTuple):
 
     def reinstall_command(self, dist: InstalledDistribution) -> str:
         """The command that puts the release's bytes back, for this environment's installer."""
-        spec = f"{dist.name}=={dist.raw_version}"
         import shlex
 
+        spec = f"{dist.name}=={dist.raw_version}"
         if dist.installer == "uv":
             return shlex.join(["uv", "pip", "install", "--python", str(self.executable), "--reinstall", "--no-deps", spec])
         target = ["--target", str(dist.site_dir)] if not _on_sys_path_of(self, dist) else []

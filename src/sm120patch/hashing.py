@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from sm120patch.fileio import read_regular
+
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -12,8 +14,6 @@ def sha256(data: bytes) -> str:
 
 def sha256_file(path: Path) -> str | None:
     """The hash of the file at ``path`` (following a symlink), or None when there is none."""
-    from sm120patch.fileio import read_regular
-
     try:
         return sha256(read_regular(path))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):

@@ -24,12 +24,6 @@ class Invocation(NamedTuple):
     def without(self, *options: str) -> Invocation:
         return self._replace(options=tuple(o for o in self.options if o[0] not in options))
 
-    def given(self, option: str) -> bool:
-        return any(name == option for name, _ in self.options)
-
-    def value(self, option: str) -> str | None:
-        return next((value for name, value in self.options if name == option), None)
-
     @property
     def words(self) -> list[str]:
         words = [PROGRAM, *self.command.split()]

@@ -219,8 +219,9 @@ def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, 
 # A GPU-less build machine whose toolkit has no stub (PyPI's nvidia-cuda-* wheels, a runtime
 # image) has no libcuda at all: every object compiles, then the link fails. The linker needs
 # only a file named libcuda.so that defines the driver functions the objects call and names
-# itself libcuda.so.1 (DESIGN.md section 9): the module then records `NEEDED libcuda.so.1`, as
-# it would against the real library, and the GPU server's driver is what loads. sm120patch
+# itself libcuda.so.1 (DESIGN.md section 9): the module then records what it would against the
+# real library (`NEEDED libcuda.so.1` when it calls the driver at all; trtllm_comm's objects do
+# not), and the GPU server's driver is what loads. sm120patch
 # builds such a stub only after the link failed for want of one, from the objects' own
 # undefined cu* symbols, in a temporary directory it removes, and hands it to the linker by
 # LIBRARY_PATH (the compiler driver's search path): unlike FLASHINFER_EXTRA_LDFLAGS it leaves

@@ -230,10 +230,9 @@ def render_change(report: ChangeReport) -> str:
         lines.append(f"{name} is an editable install of {path}: patching that checkout as a commit instead")
     for path in report.leftovers_removed:
         lines.append(f"removed {path}, left by an earlier run that was killed")
-    if not report.dry_run:
-        for orphan in report.orphans_removed:
-            lines.append(f"removed sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
-                         "(uninstalled, or another version now)")
+    for orphan in report.orphans_removed:
+        lines.append(f"removed sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
+                     "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
     if report.jit_base and (report.jit_removed or report.jit_sources_changed) and not report.dry_run:
@@ -324,7 +323,7 @@ def change_json(report: ChangeReport) -> dict:
         "routed": [{"name": n, "checkout": str(p)} for n, p in report.routed],
         "leftovers_removed": [str(p) for p in report.leftovers_removed],
         "orphans_removed": [{"state": str(o.state.root), "files": [str(f) for f in o.files]}
-                            for o in report.orphans_removed] if not report.dry_run else [],
+                            for o in report.orphans_removed],
         "results": [
             {
                 "name": r.name,

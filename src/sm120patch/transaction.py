@@ -77,9 +77,10 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None,
     fsync_dir(path.parent)
 
 
-def temporary(path: Path, suffix: str = "tmp") -> Path:
-    """The name of the temporary file beside ``path`` that this process replaces it with."""
-    return path.with_name(f".{path.name}.sm120patch-{os.getpid()}.{suffix}")
+def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
+    """The name of the temporary file beside ``path`` that a process (default: this one)
+    replaces it with."""
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
 
 
 def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
@@ -596,10 +597,9 @@ def _drop_journals(journal: dict) -> None:
 
     primary = Path(journal["_path"])
     pid = journal.get("pid")
-    for entry in journal["entries"]:  # a run killed between making a temporary and renaming it
-        path = Path(entry["path"])
+    for entry in journal["entries"] if pid is not None else ():  # killed between making a temporary and renaming it
         for suffix in ("tmp", "link"):
-            path.with_name(f".{path.name}.sm120patch-{pid}.{suffix}").unlink(missing_ok=True)
+            temporary(Path(entry["path"]), suffix, pid).unlink(missing_ok=True)
     primary.unlink(missing_ok=True)
     roots = [Path(r) for r in journal["roots"]]
     for root in roots:
