@@ -209,6 +209,17 @@ def test_slower_from_the_start_says_leave_it_off():
     assert "leave --enable-flashinfer-allreduce-fusion off" in rec.sglang_text
 
 
+def test_the_recommendation_names_the_installed_servers_flag_and_bench_prints_its_advice():
+    report = _report({1: (12, 10), 64: (8, 12)})
+    report.sglang_flag = "--flashinfer-allreduce-fusion-backend trtllm"  # what bench() sets for SGLang 0.5.14+
+    assert report.recommendation().sglang_text.startswith("leave --flashinfer-allreduce-fusion-backend trtllm off")
+    report.advice = [("sglang", "info", "pass --attention-backend flashinfer")]
+    lines = bench.render(report).splitlines()
+    assert lines[-2:] == ["When you run the server:", "  note: pass --attention-backend flashinfer"]
+    assert bench.to_json(report)["advice"] == [{"distribution": "sglang", "level": "info",
+                                                "text": "pass --attention-backend flashinfer"}]
+
+
 def test_a_failed_check_gives_no_recommendation_and_exit_1():
     report = _report({1: (5, 10)})
     report.cases[0].ok, report.cases[0].worst_ratio = False, 3.5

@@ -153,6 +153,11 @@ def test_status_reads_only_the_set_named_for_the_installed_release(tmp_path):
         (DISTRIBUTION + '[checkout]\nlayout = [["a"]]\n', "checkout.layout"),
         (DISTRIBUTION + '[[advice]]\nlevel = "info"\ntext = "t"\nwhen_applied = ["jit-gate", "nope"]\n',
          "advice #1 names no patch of flashinfer-python: nope"),
+        (DISTRIBUTION + '[[advice]]\nlevel = "info"\ntext = "t"\nbench = "yes"\n', "advice #1: bench is true or false"),
+        (DISTRIBUTION + '[[advice]]\nlevel = "info"\ntext = "t"\nwith = ">=1"\n', "with needs fusion_with"),
+        (DISTRIBUTION + '[[not_covered]]\nversions = ">=0.4"\n', "not_covered #1: needs versions"),
+        (DISTRIBUTION + '[[not_covered]]\nversions = ""\nreason = "r"\n', "not_covered #1: needs versions"),
+        (DISTRIBUTION + '[[fusion_flag]]\nversions = ">=0.4"\nflag = ""\n', "fusion_flag #1: needs versions"),
     ],
 )
 def test_malformed_distribution_data_is_a_clear_error(tmp_path, text, message):

@@ -48,6 +48,9 @@ class Verdict(enum.Enum):
     # saying "patched" would claim an edit that was never made (vLLM 0.29+).
     OPT_IN_ONLY = "nothing required (opt-in patches only)"
     NOTHING_TO_PATCH = "nothing to patch"
+    # A release the distribution's data names as not covered (another FlashInfer family): not an
+    # unknown release, and --force does not borrow a set for it.
+    NOT_COVERED = "not covered"
 
     @property
     def done(self) -> bool:
@@ -92,6 +95,7 @@ class Assessment(NamedTuple):
     ledger: Ledger | None = None
     fixed_upstream: bool = False
     not_needed: bool = False  # a release the distribution's data says needs no patch
+    not_covered: bool = False  # a release the distribution's data says sm120patch does not patch
     reason: str = ""  # why there is nothing to patch
     unpinned: bool = False  # no set pins this release: the closest set, by meaning
 
@@ -125,6 +129,8 @@ class Assessment(NamedTuple):
         if self.patch_set is None:
             if self.fixed_upstream:
                 return Verdict.FIXED_UPSTREAM
+            if self.not_covered:
+                return Verdict.NOT_COVERED
             return Verdict.NOTHING_TO_PATCH if self.not_needed else Verdict.NO_PATCH_SET
         states = {p.id: self.patch_state(p) for p in self.patch_set.patches}
         if any(s in (PatchState.DRIFTED, PatchState.MISSING) for s in states.values()):
@@ -169,6 +175,9 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
             return result._replace(reason=(
                 f"{distribution.name} {tree.raw_version} was published as an sdist only: there is no wheel RECORD to "
                 "check its files against; upgrade to a release sm120patch knows (see `sm120patch list`)"))
+        uncovered = distribution.not_covered_at(version)
+        if uncovered is not None:
+            return result._replace(not_covered=True, reason=uncovered.render(distribution.name, tree.raw_version))
         result = result._replace(reason=f"no patch set is pinned to {distribution.name} {tree.raw_version} "
                                         f"({distribution.nearest(version)})")
         borrowed = None

@@ -259,6 +259,10 @@ class BenchReport:
     cases: list[Case] = field(default_factory=list)
     atol: float = 0.0
     rtol: float = 0.0
+    # SGLang's option that turns fusion on (the installed release's, else each release range's).
+    sglang_flag: str = "--enable-flashinfer-allreduce-fusion"
+    # (server, level, sentence): the installed servers' advice about running them
+    advice: list = field(default_factory=list)
 
     @property
     def failed(self) -> list[Case]:
@@ -282,15 +286,15 @@ class BenchReport:
         limits = [s.wins_up_to for s in series]
         if loses_at_start:
             s = loses_at_start[0]
-            sglang = (False, f"leave --enable-flashinfer-allreduce-fusion off: unfused is faster already at "
+            sglang = (False, f"leave {self.sglang_flag} off: unfused is faster already at "
                              f"{_tokens(s.cases[0].tokens)}, hidden {s.hidden}")
         elif all(s.first_loss is None for s in series) and all(
                 max(c.tokens for c in s.cases) >= min(SGLANG_MAX_FUSED_TOKENS, max(self.request.tokens)) for s in series):
-            sglang = (True, "turn --enable-flashinfer-allreduce-fusion on: fused is faster at every measured "
+            sglang = (True, f"turn {self.sglang_flag} on: fused is faster at every measured "
                             f"batch size (SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens)")
         else:
             cut = min((limit for limit in limits if limit), key=lambda c: c.tokens)
-            sglang = (None, f"turn --enable-flashinfer-allreduce-fusion on only if your batches stay at or below "
+            sglang = (None, f"turn {self.sglang_flag} on only if your batches stay at or below "
                             f"{_tokens(cut.tokens)} (decode, speculative verify): fused wins up to there and loses "
                             f"beyond, and SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens")
         smallest = min((limit for limit in limits if limit), key=lambda c: c.bytes, default=None)
@@ -329,7 +333,22 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
                            aot_shadows=[s.path for s in status.aot], servers=servers,
                            multicast=driver.query().multicast)
-    return run(request, world_size=world_size, on_event=on_event, servers=servers)
+    report = run(request, world_size=world_size, on_event=on_event, servers=servers)
+    report.sglang_flag = _sglang_flag(registry, status)
+    report.advice = [(t.assessment.name, level, text) for t in status.trees for level, text in t.advice_lines(bench=True)]
+    return report
+
+
+def _sglang_flag(registry, status) -> str:
+    """The installed SGLang's own fusion option; without SGLang, each release range's."""
+    from sm120patch.render import _spec_words
+
+    sglang = registry.get("sglang")
+    installed = next((t for t in status.trees if t.distribution.name == sglang.name), None)
+    flag = installed and sglang.fusion_flag(installed.tree.version)
+    if flag:
+        return flag
+    return "fusion (SGLang " + "; ".join(f"{_spec_words(f.versions)}: {f.flag}" for f in sglang.fusion_flags) + ")"
 
 
 def _free_port() -> int:
@@ -544,6 +563,10 @@ def render(report: BenchReport) -> str:
                      "on small messages, so treat a narrow fused win as a tie):")
         lines.append(f"  SGLang: {recommendation.sglang_text}")
         lines.append(f"  vLLM:   {recommendation.vllm_text}")
+    if report.advice:
+        lines.append("")
+        lines.append("When you run the server:")
+        lines.extend(f"  {'!' if level == 'warn' else 'note:'} {text}" for _, level, text in report.advice)
     return "\n".join(lines)
 
 
@@ -564,6 +587,7 @@ def to_json(report: BenchReport) -> dict:
         "server_paths": report.meta.get("server_paths", []),
         "ok": not report.failed,
         "cases": [dict(c.__dict__, speedup=c.speedup) for c in report.cases],
+        "advice": [{"distribution": name, "level": level, "text": text} for name, level, text in report.advice],
         "recommendation": None if recommendation is None else {
             "sglang_enable_fusion": recommendation.sglang,
             "sglang": recommendation.sglang_text,

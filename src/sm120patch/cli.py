@@ -575,11 +575,12 @@ def list_(python, as_json):
          else render.render_list(registry, installed, target))
 
 
-@cli.group(short_help="Maintainers: build the vendor manifests from the real upstream wheels.",
+@cli.group(short_help="Maintainers: build the vendor manifests, add a new upstream release.",
            epilog=epilog(["sm120patch manifest build --check --distribution sglang",
-                          "sm120patch manifest build --help"], [(0, "see each command")]))
+                          "sm120patch manifest add sglang 0.5.24",
+                          "sm120patch manifest add vllm --newer --check"], [(0, "see each command")]))
 def manifest() -> None:
-    """Build the vendor manifests from the real upstream wheels (maintainers)."""
+    """Build the vendor manifests from the real upstream wheels, and add new releases (maintainers)."""
 
 
 @manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check",
@@ -600,6 +601,52 @@ def manifest_build(wheel_cache, out, check, names):
     for path, same in result:
         click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
     if check and not all(same for _, same in result):
+        sys.exit(int(ExitCode.NOT_OK))
+
+
+@manifest.command("add", epilog=epilog(["sm120patch manifest add sglang 0.5.24",
+                                        "sm120patch manifest add vllm 0.34.0 --wheel ./vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+                                        "sm120patch manifest add flashinfer-python --newer --check"],
+                                       [(0, "pinned, or already supported (--check: every release is supported)"),
+                                        (1, "--check: a release needs a pin that is not written yet"),
+                                        USAGE, (3, "no patch set fits: nothing was written"), (4, "a download failed")]))
+@click.argument("distribution", metavar="DIST")
+@click.argument("version", required=False, metavar="[VERSION]")
+@click.option("--wheel", "wheel", metavar="FILE", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Take this wheel of the release instead of downloading it.")
+@click.option("--newer", is_flag=True, help="Every release on the index newer than the newest sm120patch knows.")
+@click.option("--check", is_flag=True, help="Report what would be pinned; write nothing (for a scheduled job).")
+@click.option("--wheel-cache", metavar="DIR", default=None, help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
+def manifest_add(distribution, version, wheel, newer, check, wheel_cache):
+    """Support a new upstream release: try the neighbouring releases' patch sets on its real
+    wheel, keep the one that fits exactly, and write its pin and manifest (maintainers).
+
+    Prints a review summary: the set kept, each file's sha256 against the previous release's,
+    and the diff of each patched file. When no set fits, nothing is written and the evidence is
+    printed: each rewriter's site count in this release, and what the nearest release has.
+    """
+    from sm120patch import releases
+    from sm120patch.render import render_addition
+
+    if newer == bool(version):
+        raise click.UsageError("give a VERSION or --newer (not both)" if newer else "give a VERSION, or --newer for every "
+                         "release newer than the newest known one")
+    if wheel and newer:
+        raise click.UsageError("--wheel names one release's wheel: give its VERSION instead of --newer")
+    cache = Path(wheel_cache) if wheel_cache else None
+    if newer:
+        results = releases.newer(distribution, check=check, wheel_cache=cache, progress=line_progress())
+        if not results:
+            click.echo(f"{distribution}: no release on the index is newer than the newest sm120patch knows")
+    else:
+        results = [releases.add(distribution, version, wheel=Path(wheel) if wheel else None, check=check,
+                                wheel_cache=cache)]
+    for index, result in enumerate(results):
+        click.echo(("\n" if index else "") + render_addition(result, check=check))
+    missing = [r for r in results if not r.supported]
+    if missing:
+        raise releases.refusal(missing[0])
+    if check and any(r.outcome == "pinned" for r in results):
         sys.exit(int(ExitCode.NOT_OK))
 
 

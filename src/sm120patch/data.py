@@ -22,6 +22,12 @@ def data_dir(name: str) -> Path:
     return packaged if packaged.is_dir() else _CHECKOUT / name
 
 
+def data_is_packaged() -> bool:
+    """Whether the data in use is an installed wheel's package data (maintainer commands that
+    write data refuse to change an installed sm120patch)."""
+    return not os.environ.get("SM120PATCH_DATA_DIR") and (_PACKAGE_DATA / "patches").is_dir()
+
+
 try:  # tomllib is standard from Python 3.11
     import tomllib as toml
 except ImportError:  # pragma: no cover

@@ -32,14 +32,21 @@ class Advice(NamedTuple):
 
     versions: SpecifierSet
     level: str  # info / warn
-    text: str  # may name {version}
+    text: str  # may name {version} and {with_version}
     # What the installed files say: shown only while these patches are applied / not applied
     # (vLLM's pass stays off on SM120 until fusion-table gives it a row).
     when_applied: tuple[str, ...] = ()
     unless_applied: tuple[str, ...] = ()
+    # The releases of the distribution's fusion_with it needs (SGLang's PCIe-IPC allreduce needs
+    # a FlashInfer that has the kernels); empty: any, or none installed.
+    with_: SpecifierSet = SpecifierSet()
+    bench: bool = False  # also printed by `sm120patch bench` (advice about running the server)
 
-    def applies(self, version: Version | None, applied: frozenset[str] | None = None) -> bool:
+    def applies(self, version: Version | None, applied: frozenset[str] | None = None,
+                with_version: Version | None = None) -> bool:
         if version is None or not self.versions.contains(version, prereleases=True):
+            return False
+        if str(self.with_) and (with_version is None or not self.with_.contains(with_version, prereleases=True)):
             return False
         if self.when_applied or self.unless_applied:
             if applied is None:  # no pinned set: what is applied is not known
@@ -47,8 +54,8 @@ class Advice(NamedTuple):
             return set(self.when_applied) <= applied and not set(self.unless_applied) & applied
         return True
 
-    def render(self, raw_version: str) -> str:
-        return self.text.replace("{version}", raw_version)
+    def render(self, raw_version: str, with_version: str = "") -> str:
+        return self.text.replace("{version}", raw_version).replace("{with_version}", with_version)
 
 
 class NothingToPatch(NamedTuple):
@@ -60,6 +67,24 @@ class NothingToPatch(NamedTuple):
 
     def render(self, raw_version: str) -> str:
         return self.reason.replace("{version}", raw_version)
+
+
+class NotCovered(NamedTuple):
+    """Releases sm120patch knows of and does not patch, and why (SGLang 0.4.9-0.4.10.post2 have
+    the fusion flag but run another FlashInfer family): named, not "unknown"."""
+
+    versions: SpecifierSet
+    reason: str  # why, for any release of the range
+
+    def render(self, name: str, raw_version: str) -> str:
+        return f"{name} {raw_version} is not covered: {self.reason}"
+
+
+class FusionFlag(NamedTuple):
+    """The server option that turns fusion on in the releases ``versions`` matches."""
+
+    versions: SpecifierSet
+    flag: str
 
 
 class FusionPath(NamedTuple):
@@ -195,6 +220,8 @@ class Distribution(NamedTuple):
     pins: str | None = None  # a distribution whose exact pin status compares with what is installed
     advice: tuple[Advice, ...] = ()
     nothing_to_patch: tuple[NothingToPatch, ...] = ()
+    not_covered: tuple[NotCovered, ...] = ()
+    fusion_flags: tuple[FusionFlag, ...] = ()
     fusion_paths: tuple[FusionPath, ...] = ()
     fusion_with: str | None = None  # the distribution whose release fusion_paths also depend on
     checkout: CheckoutLayout | None = None
@@ -251,10 +278,23 @@ class Distribution(NamedTuple):
     def fixed_upstream(self, version: Version | None) -> bool:
         return version is not None and self.fixed_in is not None and version >= self.fixed_in
 
-    def advice_for(self, version: Version | None, applied: frozenset[str] | None = None) -> list[Advice]:
+    def not_covered_at(self, version: Version | None) -> NotCovered | None:
+        if version is None:
+            return None
+        return next((n for n in self.not_covered if n.versions.contains(version, prereleases=True)), None)
+
+    def fusion_flag(self, version: Version | None) -> str | None:
+        """The option that turns fusion on in this release (None: the distribution names none)."""
+        if version is None:
+            return None
+        return next((f.flag for f in self.fusion_flags if f.versions.contains(version, prereleases=True)), None)
+
+    def advice_for(self, version: Version | None, applied: frozenset[str] | None = None,
+                   with_version: Version | None = None) -> list[Advice]:
         """The advice for ``version``; ``applied``: the ids of the patches applied there (None:
-        unknown, and advice that depends on them is left out)."""
-        return [a for a in self.advice if a.applies(version, applied)]
+        unknown, and advice that depends on them is left out); ``with_version``: the installed
+        release of ``fusion_with``."""
+        return [a for a in self.advice if a.applies(version, applied, with_version)]
 
     def patch_set_named(self, name: str) -> PatchSet | None:
         return next((ps for ps in self.patch_sets if ps.name == name or ps.path.name == name), None)
@@ -346,13 +386,32 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
             raise PatchDataError(f"{awhere}: needs level ({' or '.join(LEVELS)}) and text")
         versions = _specifier(raw.get("versions", ""), awhere)
         conditions = {key: _str_list(raw, key, awhere) for key in ("when_applied", "unless_applied")}
-        advice.append(Advice(versions, raw["level"], raw["text"], **conditions))
+        if not isinstance(raw.get("bench", False), bool):
+            raise PatchDataError(f"{awhere}: bench is true or false")
+        if not isinstance(raw.get("with", ""), str):
+            raise PatchDataError(f"{awhere}: with is a version specifier")
+        if raw.get("with") and not doc.get("fusion_with"):
+            raise PatchDataError(f"{awhere}: with needs fusion_with (the distribution it names releases of)")
+        advice.append(Advice(versions, raw["level"], raw["text"], **conditions,
+                             with_=_specifier(raw.get("with", ""), awhere), bench=raw.get("bench", False)))
     nothing = []
     for index, raw in enumerate(doc.get("nothing_to_patch", [])):
         nwhere = f"{where}: nothing_to_patch #{index + 1}"
         if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{nwhere}: needs versions (a version specifier) and reason")
         nothing.append(NothingToPatch(_specifier(raw["versions"], nwhere), raw["reason"]))
+    not_covered = []
+    for index, raw in enumerate(doc.get("not_covered", [])):
+        cwhere = f"{where}: not_covered #{index + 1}"
+        if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str) or not raw["versions"]:
+            raise PatchDataError(f"{cwhere}: needs versions (a version specifier) and reason")
+        not_covered.append(NotCovered(_specifier(raw["versions"], cwhere), raw["reason"]))
+    flags = []
+    for index, raw in enumerate(doc.get("fusion_flag", [])):
+        gwhere = f"{where}: fusion_flag #{index + 1}"
+        if not isinstance(raw.get("flag"), str) or not raw["flag"] or not isinstance(raw.get("versions"), str):
+            raise PatchDataError(f"{gwhere}: needs versions (a version specifier) and flag")
+        flags.append(FusionFlag(_specifier(raw["versions"], gwhere), raw["flag"]))
     paths = []
     for index, raw in enumerate(doc.get("fusion_path", [])):
         fwhere = f"{where}: fusion_path #{index + 1}"
@@ -401,6 +460,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
+        not_covered=tuple(not_covered), fusion_flags=tuple(flags),
         fusion_paths=tuple(paths), fusion_with=fusion_with, checkout=checkout, verify=verify,
         directory=directory,
     )

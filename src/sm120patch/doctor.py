@@ -210,8 +210,8 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
                    f"{a.name} {a.raw_version}: {verdict.value}" + (f" ({a.reason})" if a.reason else ""))
         if a.patch_set is not None and distribution.fixed_in:
             report.add("info", f"{a.name} {distribution.fixed_in} and later support SM120 here natively ({distribution.upstream})")
-        for advice in item.advice:
-            report.add(advice.level, advice.render(a.raw_version))
+        for level, text in item.advice_lines():
+            report.add(level, text)
         if item.pin:
             report.add("info", item.pin)
         if item.fusion is not None:

@@ -225,6 +225,12 @@ class TreeStatus(NamedTuple):
     jit: JitStatus | None = None
     routed_from: Path | None = None  # an editable install, shown as its checkout
     fusion: FusionVerdict | None = None  # past the gate, on a GPU without multicast
+    with_raw_version: str = ""  # the installed release of the distribution's fusion_with
+
+    def advice_lines(self, *, bench: bool = False) -> list[tuple[str, str]]:
+        """(level, sentence) for each piece of advice (``bench``: only what bench prints too)."""
+        return [(a.level, a.render(self.assessment.raw_version, self.with_raw_version))
+                for a in self.advice if a.bench or not bench]
 
     @property
     def tree(self):
@@ -270,7 +276,7 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
         a = assess(tree, tree.distribution, ledger=ledger)
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
         by_meaning = {}
-        if shown is not None and (not installed or a.patch_set is None) and not a.not_needed:
+        if shown is not None and (not installed or a.patch_set is None) and not (a.not_needed or a.not_covered):
             by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
         pin = jit = None
         if installed:
@@ -278,8 +284,10 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
             if tree.distribution.jit_module:
                 jit = _jit_status(tree, a, request)
                 aot += jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)
+        with_version = _fusion_with(located, tree)
         trees.append(TreeStatus(a, pending, blocks, by_meaning=by_meaning, pin=pin, jit=jit,
-                                advice=tree.distribution.advice_for(tree.version, a.applied_ids),
+                                advice=tree.distribution.advice_for(tree.version, a.applied_ids, with_version.version if with_version else None),
+                                with_raw_version=with_version.raw_version if with_version else "",
                                 routed_from=routed.get(tree.distribution.name)))
     trees = _fusion_verdicts(trees, located)
     site_dirs = list(dict.fromkeys(t.dist.site_dir for t in located.installed))
@@ -316,6 +324,12 @@ def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_comm
     if someone_holds(site_dir):
         return f"another sm120patch (pid {journal.get('pid')}) is running {journal['operation']} here right now", False
     return f"an interrupted {journal['operation']} (started {journal.get('started', '?')})", True
+
+
+def _fusion_with(located: Located, tree):
+    """The installed distribution ``tree``'s fusion depends on (None: none, or not a known one)."""
+    other = tree.distribution.fusion_with
+    return located.env.get(other) if other and located.env is not None else None
 
 
 def _pin_mismatch(env: Environment, tree: InstalledTree) -> str | None:
@@ -424,6 +438,8 @@ def _selected_ids(located: Located, with_ids: Sequence[str], registry: Registry)
 
 
 def _no_set(a: Assessment) -> RefusedError:
+    if a.not_covered:
+        return RefusedError(a.reason, hint="use a release `sm120patch list` shows")
     closest = a.distribution.closest_set(a.tree.version)
     return RefusedError(
         a.reason,

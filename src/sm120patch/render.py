@@ -90,6 +90,9 @@ def render_status(report: StatusReport) -> str:
                 kind = "" if patch.required else " (opt-in)"
                 fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
                 lines.append(f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}")
+                if not patch.required and a.patch_set is not None:
+                    # What an opt-in changes in this release, in the set's own words.
+                    lines.append(f"  {'':<{width}}  --with {patch.id}: {patch.summary}")
         if a.patch_set is not None:
             lines += _file_notes(item, report)
             if distribution.fixed_in:
@@ -98,8 +101,8 @@ def render_status(report: StatusReport) -> str:
                 lines.append(f"  note: {distribution.still_gated}")
         for note in (a.patch_set.notes if a.patch_set else ()):
             lines.append(f"  note: {note}")
-        for advice in item.advice:
-            lines.append(f"  {'!' if advice.level == 'warn' else 'note:'} {advice.render(a.raw_version)}")
+        for level, text in item.advice_lines():
+            lines.append(f"  {'!' if level == 'warn' else 'note:'} {text}")
         if item.pin:
             lines.append(f"  note: {item.pin} (sm120patch patches each as installed)")
         if item.fusion is not None:
@@ -180,7 +183,7 @@ def status_json(report: StatusReport) -> dict:
             "dropped_by_reinstall": a.dropped_by_reinstall,
             "unpinned": bool(a.unpinned or (a.ledger and a.ledger.unpinned)),
             "pin_mismatch": item.pin,
-            "advice": [{"level": x.level, "text": x.render(a.raw_version)} for x in item.advice],
+            "advice": [{"level": level, "text": text} for level, text in item.advice_lines()],
             "fusion_without_multicast": None if item.fusion is None else {
                 "enters": item.fusion.enters,
                 "with": item.fusion.with_ if item.fusion.installed else None,
@@ -398,6 +401,8 @@ def render_list(registry, installed: dict | None = None, target: str | None = No
             lines.append(f"  {_ranges(versions):<28} {len(versions):>2} release(s)  {required:<36} opt-in: {optional}")
         for version in distribution.sdist_only:
             lines.append(f"  {version:<28}  sdist only: not supported (no RECORD to check against)")
+        for uncovered in distribution.not_covered:
+            lines.append(f"  {_spec_words(uncovered.versions):<28}  not covered: {uncovered.reason}")
         for exempt in distribution.nothing_to_patch:
             lines.append(f"  {_spec_words(exempt.versions):<28}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
         if fixed:
@@ -413,6 +418,7 @@ def list_json(registry, installed: dict | None = None) -> dict:
             "fixed_in": str(d.fixed_in) if d.fixed_in else None,
             "sdist_only": list(d.sdist_only),
             "nothing_to_patch": [{"versions": str(n.versions), "reason": n.reason} for n in d.nothing_to_patch],
+            "not_covered": [{"versions": str(n.versions), "reason": n.reason} for n in d.not_covered],
             "releases": {
                 str(v): {
                     "patch_set": ps.name,
@@ -459,3 +465,39 @@ def verify_json(report: StatusReport, results) -> dict:
         "checks": [{"kind": r.kind, "subject": r.subject, "ok": r.ok, "ran": r.ok is not None,
                     "required": r.required, "detail": r.detail} for r in results],
     }
+
+
+def render_addition(result, *, check: bool) -> str:
+    """`manifest add`: the review summary of one release (what was, or would be, written), or
+    the evidence why no set fits."""
+    head = f"{result.distribution} {result.version}"
+    if result.outcome != "pinned" and result.outcome != "missing":
+        return f"{head}: {result.reason}"
+    lines = []
+    if result.outcome == "pinned":
+        ps = result.patch_set
+        where = f"new file {ps.path.with_name(result.version + '.toml').name} (a copy of {ps.name})" if result.new_file \
+            else ps.name
+        verb = "would pin it to" if check else "pinned to"
+        lines.append(f"{head}: {verb} {where}; every rewriter found its pinned sites and every check passes")
+        previous = f"{result.distribution} {result.previous}" if result.previous else "no earlier release"
+        for review in result.files:
+            lines.append(f"  {review.relpath}  sha256 {review.sha256[:16]}…  {review.compared} ({previous})")
+        for path in result.written:
+            lines.append(f"  wrote {path}")
+        for review in result.files:
+            lines.append("")
+            lines.append(review.diff.rstrip("\n"))
+        return "\n".join(lines)
+    lines.append(f"{head}: no patch set fits; nothing was written")
+    for attempt in result.tried:
+        lines.append(f"  {attempt.patch_set.name} (pinned to {_ranges(sorted(attempt.patch_set.versions))}):")
+        lines.extend(f"    {problem}" for problem in attempt.problems)
+        if attempt is result.tried[0] and result.previous:
+            for relpath, digest in attempt.hashes.items():
+                before = result.previous_hash(relpath)
+                if before is not None:
+                    same = "identical to" if before == digest else "changed since"
+                    lines.append(f"    {relpath}: {same} {result.distribution} {result.previous}, where every "
+                                 "rewriter finds its pinned count")
+    return "\n".join(lines)

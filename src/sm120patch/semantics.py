@@ -97,6 +97,23 @@ def auto_enable(text: str) -> tuple[bool, str]:
     return False, "no auto-enable condition found"
 
 
+@check("auto-enable-tp2")
+def auto_enable_tp2(text: str) -> tuple[bool, str]:
+    """0.5.15+: the architecture alternative in _flashinfer_allreduce_fusion_auto_enable accepts
+    SM120 only together with ``tp_size == 2`` (what the evidence supports; larger TP stays the
+    user's explicit choice)."""
+    for function in _functions(ast.parse(text), "_flashinfer_allreduce_fusion_auto_enable"):
+        for node in (n for n in ast.walk(function) if isinstance(n, ast.BoolOp) and isinstance(n.op, ast.Or)):
+            operands = [ast.unparse(v) for v in node.values]
+            if not any("sm90" in op for op in operands):
+                continue
+            gated = [v for v in node.values if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And)
+                     and any("sm120" in ast.unparse(p) for p in v.values)
+                     and any(ast.unparse(p).endswith("tp_size == 2") for p in v.values)]
+            return bool(gated), f"auto-enable condition: {' or '.join(operands)}"
+    return False, "no SM90 condition in _flashinfer_allreduce_fusion_auto_enable"
+
+
 def _guarded(scope: ast.AST, names: tuple[str, ...], guard: str) -> tuple[int, int]:
     """(guarded, unguarded): the uses of ``names`` (attributes or plain names) in ``scope``, by
     whether an enclosing ``if`` tests something named like ``guard``."""
