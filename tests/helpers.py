@@ -50,6 +50,18 @@ def wheel_file(wheel: Path, relpath: str) -> bytes:
         return archive.read(relpath)
 
 
+def jit_entry_at(home: Path, version: str, arch: str, module: str) -> Path:
+    """Where FlashInfer's JIT keeps a module's build under ``home`` (its default base)."""
+    return home / ".cache" / "flashinfer" / version / arch / "cached_ops" / module
+
+
+def record_hash(data: bytes) -> str:
+    """A RECORD row's hash of ``data`` (sha256=, urlsafe base64 without padding)."""
+    import base64
+
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
 def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable) -> Path:
     """A virtual environment at ``path`` with ``wheels`` installed by pip, without dependencies."""
     subprocess.run([python, "-m", "venv", "--without-pip", str(path)], check=True)
@@ -101,7 +113,7 @@ class ServingEnv:
         return bad
 
     def jit_entry(self, arch: str, module: str, version: str = FLASHINFER_VERSION) -> Path:
-        return self.home / ".cache" / "flashinfer" / version / arch / "cached_ops" / module
+        return jit_entry_at(self.home, version, arch, module)
 
     def seed_jit(self, archs=("90a", "90a_120a"), modules=("trtllm_comm", "norm")) -> None:
         """JIT entries as a server leaves them (stand-in files, newer than the sources), with

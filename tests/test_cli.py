@@ -99,9 +99,13 @@ def test_python_and_source_together_are_refused(tmp_path):
 @pytest.mark.parametrize("command", ["status", "apply", "revert", "diff"])
 def test_one_selector_grammar_on_every_command(sm120patch, serving_env, command):
     """--flashinfer alone, --flashinfer VER and --flashinfer=vVER mean the same everywhere."""
+    before = snapshot(serving_env)
+    # status: FlashInfer is not patched (1); apply patches it (then: nothing to change), revert
+    # and diff succeed.
+    expected = {"status": ExitCode.NOT_OK, "apply": 0, "revert": 0, "diff": 0}[command]
     for args in (["--flashinfer"], ["--flashinfer", "0.6.4"], ["--flashinfer=v0.6.4"]):
         result = sm120patch(command, *args)
-        assert result.exit_code in (0, 1), (args, result.output)
+        assert result.exit_code == expected, (args, result.output)
         assert "sglang" not in result.output.replace("sglang 0.5.9 pins", "")
     wrong = sm120patch(command, "--flashinfer", "0.6.5")
     assert wrong.exit_code == ExitCode.USAGE
@@ -111,7 +115,9 @@ def test_one_selector_grammar_on_every_command(sm120patch, serving_env, command)
     bad = sm120patch(command, "--flashinfer", "latest")
     assert bad.exit_code == ExitCode.USAGE
     one_clear_error(bad.output, "--flashinfer latest: not a version")
-    serving_env.file(COMM).write_bytes(serving_env.file(COMM).read_bytes())  # nothing was applied by diff/status
+    touched = [p for p in changed(before, snapshot(serving_env)) if "/.sm120patch" not in p]
+    # Only apply changes files, and with --flashinfer only FlashInfer's.
+    assert (touched != []) == (command == "apply") and not any("/sglang/" in p for p in touched), touched
 
 
 def test_with_names_valid_ids_and_refuses_required_ones(sm120patch, serving_env):
@@ -168,4 +174,5 @@ def test_list_shows_every_distribution_and_json_agrees():
     assert "flashinfer-python" in text.output and "sglang" in text.output and "0.6.17" in text.output
     doc = json.loads(run_cli("list", "--json").output)
     assert set(doc) >= {"flashinfer-python", "sglang"}
-    assert "0.6.4" in json.dumps(doc["flashinfer-python"])
+    assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.0.toml"
+    assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import json
 
-from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, SERVER_ARGS, changed, snapshot
+from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, SERVER_ARGS, changed, snapshot, tree_snapshot
 from sm120patch.errors import ExitCode
 
 
@@ -146,8 +146,13 @@ def test_apply_removes_only_trtllm_comm_from_the_jit_cache(sm120patch, serving_e
 def test_sglang_only_apply_keeps_the_jit_cache(sm120patch, serving_env):
     entry = serving_env.jit_entry("120a", "trtllm_comm")
     entry.mkdir(parents=True)
-    assert sm120patch("apply", "--sglang", "0.5.9").exit_code == 0
-    assert entry.exists()
+    (entry / "trtllm_comm.so").write_bytes(b"built from FlashInfer's sources, which this apply leaves alone")
+    cache = tree_snapshot(serving_env.home)
+    before = snapshot(serving_env)
+    applied = sm120patch("apply", "--sglang", "0.5.9")
+    assert applied.exit_code == 0, applied.output
+    assert tree_snapshot(serving_env.home) == cache and "JIT" not in applied.output
+    assert {p for p in changed(before, snapshot(serving_env)) if "/.sm120patch" not in p} == {str(serving_env.file(COMMUNICATOR))}
 
 
 def test_opt_in_patches_need_with(sm120patch, serving_env):

@@ -9,7 +9,6 @@ are byte for byte as before."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
+from sm120patch.hashing import sha256
 from sm120patch.manifests import load_manifest
 from sm120patch.state import TEMPORARY
 
@@ -37,10 +37,6 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))
 SELECT = ["--flashinfer", "0.6.4", "--sglang", "0.5.9"]
 OPPOSITE = {"apply": "revert", "revert": "apply"}
 STATE_OF = {"apply": "patched", "revert": "pristine"}
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -112,7 +108,7 @@ class Sandbox:
         states = {}
         for relpath, name in FILES.items():
             manifest = load_manifest(name, "0.6.4" if name == "flashinfer-python" else "0.5.9")
-            digest = sha(self.env.file(relpath).read_bytes())
+            digest = sha256(self.env.file(relpath).read_bytes())
             expected = manifest.files[relpath]
             states[relpath] = ("pristine" if digest == expected.pristine
                                else "patched" if digest in expected.patched.values() else "MIXED")

@@ -18,13 +18,9 @@ from helpers import (
 from sm120patch.errors import ExitCode
 
 
-def seed_jit_cache(env: ServingEnv) -> None:
-    env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
-
-
 def test_a_deleted_target_file(sm120patch, serving_env):
     serving_env.file(HEADER).unlink()
-    seed_jit_cache(serving_env)
+    serving_env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
     before = snapshot(serving_env)
     status = sm120patch("status")
     assert status.exit_code == ExitCode.REFUSED and "pdl-gates          missing" in status.output
@@ -40,7 +36,7 @@ def test_a_target_replaced_by_a_symlink(sm120patch, serving_env, tmp_path):
     decoy.write_bytes(path.read_bytes())
     path.unlink()
     path.symlink_to(decoy)
-    seed_jit_cache(serving_env)
+    serving_env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
     before, decoy_bytes = snapshot(serving_env), decoy.read_bytes()
     result = sm120patch("apply")
     assert result.exit_code == ExitCode.REFUSED
@@ -166,7 +162,7 @@ def test_permission_denied_for_another_users_environment(shared_dir, flashinfer_
                     "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
     (shared_dir / "home").mkdir()
     env = ServingEnv(root, shared_dir / "home")
-    seed_jit_cache(env)
+    env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
     before = snapshot(env)
     proc = run_as_nobody(sm120patch_argv(env, "apply", python=system_python), shared_dir)
     need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import jit_entry_at
 from sm120patch import jitcache
 from sm120patch.errors import TransactionError
 
 
 def make_entry(base, version, arch, module):
-    entry = base / ".cache" / "flashinfer" / version / arch / "cached_ops" / module
+    entry = jit_entry_at(base, version, arch, module)
     entry.mkdir(parents=True)
     (entry / "build.ninja").write_text("rule x\n")
     return entry

@@ -4,7 +4,6 @@ releases are removed; adding them back must give the shipped files byte for byte
 
 from __future__ import annotations
 
-import hashlib
 import io
 import shutil
 import zipfile
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from helpers import run_cli
+from helpers import record_hash, run_cli
 from sm120patch.data import data_dir
 from sm120patch.errors import ExitCode
 from sm120patch.patchsets import parse_patch_set
@@ -96,7 +95,7 @@ def moved_site_wheel(tmp_path: Path, version: str) -> Path:
         assert text.count(old) == 1
         changed = text.replace(old, "        _arch_supported()\n") + (
             "\n\ndef _arch_supported():\n    return _is_sm90_supported or _is_sm100_supported\n")
-        digest = "sha256=" + __import__("base64").urlsafe_b64encode(hashlib.sha256(changed.encode()).digest()).rstrip(b"=").decode()
+        digest = record_hash(changed.encode())
         for item in original.infolist():
             content = original.read(item)
             if item.filename == relpath:

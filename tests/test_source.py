@@ -10,18 +10,13 @@ from pathlib import Path
 
 import git
 import pytest
-from click.testing import CliRunner
 
-from sm120patch.cli import cli
+from helpers import run_cli
 from sm120patch.errors import ExitCode
 from sm120patch.wheels import fetch_wheel
 
 FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py", "flashinfer/jit/comm.py",
                     "include/flashinfer/comm/trtllm_allreduce.cuh"]
-
-
-def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="sm120patch")
 
 
 def new_repo(root: Path) -> git.Repo:
@@ -84,10 +79,10 @@ def changed_files(repo: git.Repo, rev: str = "HEAD") -> list[str]:
 def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_repo):
     root = flashinfer_repo.working_tree_dir
     base = flashinfer_repo.head.commit.hexsha
-    before = run("status", "--source", root)
+    before = run_cli("status", "--source", root)
     assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 4
 
-    result = run("apply", "--source", root)
+    result = run_cli("apply", "--source", root)
     assert result.exit_code == 0, result.output
     assert "on sm120patch/flashinfer-python-0.6.4 (4 files)" in result.output
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
@@ -101,15 +96,15 @@ def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_r
     assert "supported_major_versions=[9, 10, 12]" in (Path(root) / "flashinfer/jit/comm.py").read_text()
     assert not flashinfer_repo.is_dirty(untracked_files=True)
 
-    after = run("status", "--source", root)
+    after = run_cli("status", "--source", root)
     assert after.exit_code == 0 and after.output.count("in HEAD") == 4 and "not in HEAD" not in after.output
 
 
 def test_exported_patch_applies_with_git_am_on_a_fresh_copy(flashinfer_repo, tmp_path):
     root = flashinfer_repo.working_tree_dir
     base = flashinfer_repo.head.commit.hexsha
-    assert run("apply", "--source", root).exit_code == 0
-    exported = run("export", "--source", root, "--out", str(tmp_path / "patches"))
+    assert run_cli("apply", "--source", root).exit_code == 0
+    exported = run_cli("export", "--source", root, "--out", str(tmp_path / "patches"))
     assert exported.exit_code == 0, exported.output
     (patch,) = sorted((tmp_path / "patches").glob("*.patch"))
     fresh = git.Repo.clone_from(root, tmp_path / "fresh")
@@ -123,21 +118,21 @@ def test_exported_patch_applies_with_git_am_on_a_fresh_copy(flashinfer_repo, tmp
 
 def test_revert_returns_to_the_original_branch(flashinfer_repo):
     root = flashinfer_repo.working_tree_dir
-    assert run("apply", "--source", root).exit_code == 0
-    result = run("revert", "--source", root)
+    assert run_cli("apply", "--source", root).exit_code == 0
+    result = run_cli("revert", "--source", root)
     assert result.exit_code == 0, result.output
     assert flashinfer_repo.active_branch.name == "main"
     assert "sm120patch/flashinfer-python-0.6.4" not in flashinfer_repo.heads
-    assert run("status", "--source", root).output.count("not in HEAD") == 4
+    assert run_cli("status", "--source", root).output.count("not in HEAD") == 4
 
 
 def test_revert_keeps_a_branch_someone_committed_to(flashinfer_repo):
     root = flashinfer_repo.working_tree_dir
-    assert run("apply", "--source", root).exit_code == 0
+    assert run_cli("apply", "--source", root).exit_code == 0
     (Path(root) / "NOTES.md").write_text("benchmarks\n")
     flashinfer_repo.index.add(["NOTES.md"])
     flashinfer_repo.index.commit("my notes")
-    result = run("revert", "--source", root)
+    result = run_cli("revert", "--source", root)
     assert result.exit_code == ExitCode.REFUSED and "commits sm120patch did not make" in result.output
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
 
@@ -155,7 +150,7 @@ def test_a_dirty_tree_is_refused(flashinfer_repo):
     root = Path(flashinfer_repo.working_tree_dir)
     (root / "NOTES.md").write_text("wip\n")
     before = repo_state(flashinfer_repo)
-    result = run("apply", "--source", str(root))
+    result = run_cli("apply", "--source", str(root))
     assert result.exit_code == ExitCode.REFUSED and "uncommitted changes" in result.output
     assert repo_state(flashinfer_repo) == before
 
@@ -165,7 +160,7 @@ def test_a_drifted_file_in_a_checkout_is_refused_as_in_an_environment(flashinfer
     comm = root / "flashinfer/jit/comm.py"
     comm.write_text(comm.read_text() + "# wip\n")
     before = repo_state(flashinfer_repo)
-    result = run("apply", "--source", str(root))
+    result = run_cli("apply", "--source", str(root))
     assert result.exit_code == ExitCode.REFUSED
     assert "flashinfer/jit/comm.py" in result.output and "not the release's bytes" in result.output
     assert repo_state(flashinfer_repo) == before
@@ -175,25 +170,25 @@ def test_dry_run_on_a_checkout_changes_nothing_and_prints_the_diff(flashinfer_re
     """A dry run never creates the branch or commits (it once did)."""
     root = flashinfer_repo.working_tree_dir
     before = repo_state(flashinfer_repo)
-    result = run("apply", "--source", root, "--dry-run")
+    result = run_cli("apply", "--source", root, "--dry-run")
     assert result.exit_code == 0, result.output
     assert "+        supported_major_versions=[9, 10, 12]" in result.output
     assert "--- a/flashinfer/jit/comm.py" in result.output or "--- flashinfer/jit/comm.py" in result.output
     assert repo_state(flashinfer_repo) == before
-    diff = run("diff", "--source", root)
+    diff = run_cli("diff", "--source", root)
     assert diff.exit_code == 0 and "include/flashinfer/comm/trtllm_allreduce.cuh" in diff.output
     assert repo_state(flashinfer_repo) == before
 
 
 def test_json_on_a_checkout_is_one_document(flashinfer_repo):
     root = flashinfer_repo.working_tree_dir
-    result = run("apply", "--source", root, "--json")
+    result = run_cli("apply", "--source", root, "--json")
     assert result.exit_code == 0
     doc = json.loads(result.output)  # nothing printed ahead of it
     (entry,) = doc["results"]
     assert entry["kind"] == "checkout" and entry["commit"]["branch"] == "sm120patch/flashinfer-python-0.6.4"
     assert entry["commit"]["sha"] == flashinfer_repo.head.commit.hexsha
-    status = json.loads(run("status", "--source", root, "--json").output)
+    status = json.loads(run_cli("status", "--source", root, "--json").output)
     assert status["exit_code"] == 0
     assert {p["in_head"] for p in status["distributions"][0]["patches"]} == {True}
 
@@ -204,17 +199,17 @@ def test_force_on_a_drifted_checkout_commits_by_meaning_as_unpinned(flashinfer_r
     comm.write_text("# local change\n" + comm.read_text())
     flashinfer_repo.index.add(["flashinfer/jit/comm.py"])
     flashinfer_repo.index.commit("local change")
-    result = run("apply", "--source", str(root), "--force")
+    result = run_cli("apply", "--source", str(root), "--force")
     assert result.exit_code == 0, result.output
     assert "Sm120patch-Pinned: no" in flashinfer_repo.head.commit.message
     assert comm.read_text().startswith("# local change\n") and "[9, 10, 12]" in comm.read_text()
-    assert run("revert", "--source", str(root)).exit_code == 0
+    assert run_cli("revert", "--source", str(root)).exit_code == 0
     assert flashinfer_repo.active_branch.name == "main"
 
 
 def test_sglang_tree_with_an_opt_in_patch(sglang_repo):
     root = sglang_repo.working_tree_dir
-    result = run("apply", "--source", root, "--with", "symm-mem")
+    result = run_cli("apply", "--source", root, "--with", "symm-mem")
     assert result.exit_code == 0, result.output
     assert changed_files(sglang_repo) == [
         "python/sglang/srt/distributed/device_communicators/all_reduce_utils.py",
@@ -225,14 +220,14 @@ def test_sglang_tree_with_an_opt_in_patch(sglang_repo):
 
 def test_a_checkout_at_the_upstream_fix_has_every_patch_in_head(tmp_path, wheel_cache):
     repo = flashinfer_tree(fetch_wheel("flashinfer-python", "0.6.17", wheel_cache), tmp_path / "fi", "0.6.17")
-    status = run("status", "--source", repo.working_tree_dir)
+    status = run_cli("status", "--source", repo.working_tree_dir)
     assert status.exit_code == 0 and status.output.count("in HEAD") == 3 and "not in HEAD" not in status.output
 
 
 def test_not_a_checkout(tmp_path):
-    result = run("apply", "--source", str(tmp_path))
+    result = run_cli("apply", "--source", str(tmp_path))
     assert result.exit_code == ExitCode.USAGE and "not a git checkout" in result.output
-    missing = run("apply", "--source", str(tmp_path / "nope"))
+    missing = run_cli("apply", "--source", str(tmp_path / "nope"))
     assert missing.exit_code == ExitCode.USAGE and "no such directory" in missing.output
 
 
@@ -251,8 +246,7 @@ def test_an_editable_install_is_patched_in_its_source_tree(sm120patch, serving_e
 
 
 def test_diff_is_accepted_by_patch_p1_from_site_packages(serving_env, tmp_path):
-    diff = CliRunner().invoke(cli, ["diff", "--python", str(serving_env.python), "--flashinfer", "0.6.4"],
-                              catch_exceptions=False)
+    diff = run_cli("diff", "--python", str(serving_env.python), "--flashinfer", "0.6.4")
     assert diff.exit_code == 0
     patch_file = tmp_path / "sm120.patch"
     patch_file.write_text(diff.output)

@@ -5,9 +5,7 @@ install that is a bare venv's site-packages with a RECORD. `make check` runs the
 
 from __future__ import annotations
 
-import base64
 import csv
-import hashlib
 import io
 import shutil
 import subprocess
@@ -17,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, changed, tree_snapshot
+from helpers import ROOT, changed, record_hash, tree_snapshot
 from sm120patch import pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
@@ -61,10 +59,6 @@ rewriter = "python.extend-list-argument"
 sites = 1
 params = { function = "gen_trtllm_comm_module", keyword = "supported_major_versions", value = "12" }
 '''
-
-
-def record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def make_wheel(directory: Path, version: str, source: str = SOURCE) -> Path:

@@ -23,18 +23,13 @@ from sm120patch.state import Ledger, LedgerFile
 from sm120patch.trees import FileRead
 
 
-class FileState(enum.Enum):
+class State(enum.Enum):
+    """Of a file, and of a patch (the state of its file, as far as that patch goes)."""
+
     PRISTINE = "pristine"  # the release's bytes
     APPLIED = "applied"  # exactly the bytes of some combination of this file's patches
     DRIFTED = "drifted"  # anything else: a hand edit, another build, a half-applied patch
     MISSING = "missing"  # RECORD lists it, the file is gone
-
-
-class PatchState(enum.Enum):
-    PRISTINE = "pristine"
-    APPLIED = "applied"
-    DRIFTED = "drifted"
-    MISSING = "missing"
 
 
 class Verdict(enum.Enum):
@@ -66,7 +61,7 @@ class Origin(enum.Enum):
 
 class FileAssessment(NamedTuple):
     read: FileRead
-    state: FileState
+    state: State
     sha256: str | None
     applied: tuple[str, ...] = ()  # ids of the patches whose combination the bytes are
     origin: Origin | None = None  # who made the bytes what they are (None: the release)
@@ -108,7 +103,7 @@ class Assessment(NamedTuple):
         """The ids of the patches applied here; None without a patch set (not known)."""
         if self.patch_set is None:
             return None
-        return frozenset(p.id for p in self.patch_set.patches if self.patch_state(p) is PatchState.APPLIED)
+        return frozenset(p.id for p in self.patch_set.patches if self.patch_state(p) is State.APPLIED)
 
     @property
     def nothing_needed(self) -> bool:
@@ -118,11 +113,11 @@ class Assessment(NamedTuple):
     def raw_version(self) -> str:
         return self.tree.raw_version
 
-    def patch_state(self, patch: Patch) -> PatchState:
+    def patch_state(self, patch: Patch) -> State:
         fa = self.files[patch.file]
-        if fa.state is FileState.APPLIED:
-            return PatchState.APPLIED if patch.id in fa.applied else PatchState.PRISTINE
-        return PatchState(fa.state.value)
+        if fa.state is State.APPLIED:
+            return State.APPLIED if patch.id in fa.applied else State.PRISTINE
+        return State(fa.state.value)
 
     @property
     def verdict(self) -> Verdict:
@@ -133,13 +128,13 @@ class Assessment(NamedTuple):
                 return Verdict.NOT_COVERED
             return Verdict.NOTHING_TO_PATCH if self.not_needed else Verdict.NO_PATCH_SET
         states = {p.id: self.patch_state(p) for p in self.patch_set.patches}
-        if any(s in (PatchState.DRIFTED, PatchState.MISSING) for s in states.values()):
+        if any(s in (State.DRIFTED, State.MISSING) for s in states.values()):
             return Verdict.DRIFTED
-        if not any(p.required for p in self.patch_set.patches) and PatchState.APPLIED not in states.values():
+        if not any(p.required for p in self.patch_set.patches) and State.APPLIED not in states.values():
             return Verdict.OPT_IN_ONLY
-        if all(states[p.id] is PatchState.APPLIED for p in self.patch_set.patches if p.required):
+        if all(states[p.id] is State.APPLIED for p in self.patch_set.patches if p.required):
             return Verdict.PATCHED
-        if any(s is PatchState.APPLIED for s in states.values()):
+        if any(s is State.APPLIED for s in states.values()):
             return Verdict.PARTLY
         return Verdict.NOT_PATCHED
 
@@ -149,7 +144,7 @@ class Assessment(NamedTuple):
         if self.ledger is None or self.patch_set is None:
             return []
         listed = {i for rel, entry in self.ledger.files.items()
-                  if rel in self.files and self.files[rel].state is FileState.PRISTINE for i in entry.patches}
+                  if rel in self.files and self.files[rel].state is State.PRISTINE for i in entry.patches}
         return [p.id for p in self.patch_set.patches if p.id in listed]
 
     @property
@@ -213,27 +208,27 @@ def _unpinned_manifest(tree, patch_set: PatchSet, ledger: Ledger | None) -> Mani
 def assess_file(tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
     read = tree.read(relpath)
     if read.problem:
-        return FileAssessment(read, FileState.DRIFTED, None, detail=read.problem)
+        return FileAssessment(read, State.DRIFTED, None, detail=read.problem)
     if read.data is None:
-        return FileAssessment(read, FileState.MISSING, None, ledger=ledger,
+        return FileAssessment(read, State.MISSING, None, ledger=ledger,
                               detail="a symbolic link to a file that is gone" if read.link else "")
     digest = sha256(read.data)
     release = tree.release_sha256(relpath)
     if release is not None and expected.pristine and release != expected.pristine:
-        return FileAssessment(read, FileState.DRIFTED, digest, ledger=ledger,
+        return FileAssessment(read, State.DRIFTED, digest, ledger=ledger,
                               detail="the installed RECORD does not describe the release sm120patch knows (another build?)")
     if digest == expected.pristine:
-        return FileAssessment(read, FileState.PRISTINE, digest, ledger=ledger)
+        return FileAssessment(read, State.PRISTINE, digest, ledger=ledger)
     combination = expected.combination_of(digest)
     if combination is not None:
         if ledger is not None and ledger.patched == digest:
             origin = Origin(ledger.origin) if ledger.origin in {o.value for o in Origin} else Origin.SM120PATCH
         else:
             origin = Origin.BY_HAND
-        return FileAssessment(read, FileState.APPLIED, digest, tuple(combination.split("+")), origin, ledger=ledger)
+        return FileAssessment(read, State.APPLIED, digest, tuple(combination.split("+")), origin, ledger=ledger)
     if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
-        return FileAssessment(read, FileState.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
-    return FileAssessment(read, FileState.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
+        return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
+    return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
                           detail=_drift_detail(read.data, patch_set.patches_for(relpath), ledger is not None))
 
 

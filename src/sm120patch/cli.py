@@ -113,10 +113,14 @@ class Group(click.Group):
                 code = exc.code
             except BaseException as exc:  # noqa: BLE001 - handle() re-raises what it does not know
                 code = handle(exc)
+            else:
+                if signals.pending() is not None:  # a signal a finalizer dropped: the run was interrupted
+                    code = handle(signals.Interrupted(signals.pending()))
             late = signals.late()
             if late is not None:  # it arrived after the commit point: the run finished, as it says
                 click.echo(f"sm120patch: {signals.name(late)} arrived after the {signals.STATE.committed} was "
                            "committed: the change stands and its cleanup finished", err=True)
+            signals.STATE.finished = True
         sys.exit(code or 0)
 
 

@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from sm120patch.data import data_dir
 from sm120patch.errors import PatchDataError
-from sm120patch.patchsets import PatchSet, parse_patch_set, parse_version, read_toml
+from sm120patch.patchsets import PatchSet, parse_patch_set, read_toml, require_version
 
 LEVELS = ("info", "warn")
 # How a server creates FlashInfer's fusion workspace: trtllm_create_ipc_workspace_for_all_reduce_fusion
@@ -302,7 +302,7 @@ class Distribution(NamedTuple):
     def files_for(self, raw_version: str) -> tuple[str, ...]:
         """The files whose RECORD rows sm120patch reads for this release: those of the set pinned
         to it, or (a release no set pins: ``--force`` borrows the closest set) those of every set."""
-        from sm120patch.environment import parse_version as version_or_none
+        from sm120patch.environment import version_or_none
 
         pinned = self.find(version_or_none(raw_version))
         if pinned is not None:
@@ -456,7 +456,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         sets.all()
     return Distribution(
         name=name, option=doc["option"], summary=doc["summary"], sets=sets,
-        fixed_in=parse_version(fixed_in, where) if fixed_in else None,
+        fixed_in=require_version(fixed_in, where) if fixed_in else None,
         upstream=_optional_str(doc, "upstream", where), sdist_only=_str_list(doc, "sdist_only", where),
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),

@@ -37,7 +37,7 @@ FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
 COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {}}
 
 
-def parse_version(raw: str) -> Version | None:
+def version_or_none(raw: str) -> Version | None:
     """A PEP 440 version, or None for a string that is not one (a fork's own scheme)."""
     try:
         return Version(raw)
@@ -128,7 +128,7 @@ class InstalledDistribution(NamedTuple):
 
     @property
     def version(self) -> Version | None:
-        return parse_version(self.raw_version)
+        return version_or_none(self.raw_version)
 
     @property
     def editable(self) -> bool:

@@ -23,9 +23,7 @@ from typing import Callable, NamedTuple
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
 from sm120patch.state import Owner
-from sm120patch.transaction import ASIDE_TAG, flock
-
-LOCK_TIMEOUT_S = 10.0
+from sm120patch.transaction import ASIDE_TAG, LOCK_TIMEOUT_S, flock
 
 
 class CacheBase(NamedTuple):

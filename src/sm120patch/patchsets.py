@@ -97,7 +97,7 @@ def _require(table: Mapping, key: str, kind: type | tuple[type, ...], where: str
     return value
 
 
-def parse_version(text: str, where: str) -> Version:
+def require_version(text: str, where: str) -> Version:
     try:
         return Version(text)
     except InvalidVersion:
@@ -156,7 +156,7 @@ def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = Tr
             summary=_require(raw, "summary", str, pwhere), check=check, edits=tuple(edits),
             upstream=raw.get("upstream"), fixed_in=raw.get("fixed_in"),
         ))
-    versions = tuple(parse_version(v, where) for v in _require(doc, "versions", list, where))
+    versions = tuple(require_version(v, where) for v in _require(doc, "versions", list, where))
     if not versions:
         raise PatchDataError(f"{where}: 'versions' is empty")
     return PatchSet(

@@ -29,7 +29,8 @@ from sm120patch.hashing import sha256
 from sm120patch.invocation import command
 from sm120patch.state import Orphan, Owner, orphans, state_root, temporaries
 from sm120patch.transaction import (
-    Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover, someone_holds,
+    LOCK_TIMEOUT_S, Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover,
+    someone_holds,
 )
 from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
 
@@ -172,7 +173,7 @@ def _hold(located: Located, request: Request) -> ExitStack:
     stack = ExitStack()
     stack.enter_context(install_locks([t.dist.site_dir for t in located.installed], on_wait=request.on_wait))
     for tree in located.checkouts:
-        stack.enter_context(flock(Path(tree.repo.git_dir), what="checkout", timeout=10.0, on_wait=request.on_wait,
+        stack.enter_context(flock(Path(tree.repo.git_dir), what="checkout", timeout=LOCK_TIMEOUT_S, on_wait=request.on_wait,
                                   busy=f"another sm120patch is changing {tree.root}", hint="run again when it has finished"))
     return stack
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sm120patch.assess import Assessment, FileAssessment, FileState, Origin
+from sm120patch.assess import Assessment, FileAssessment, State, Origin
 from sm120patch.errors import PatchDataError, RefusedError
 from sm120patch.hashing import sha256
 from sm120patch.manifests import apply_edits, combination_key
@@ -76,7 +76,7 @@ def _reinstall_hint(assessment: Assessment) -> str:
 def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release: ReleaseBytes | None,
                   *, force_offered: bool) -> RefusedError:
     name, version = assessment.name, assessment.raw_version
-    if fa.state is FileState.MISSING:
+    if fa.state is State.MISSING:
         what = "is missing" + (f" ({fa.detail})" if fa.detail else "")
     else:
         what = f"is not the {version} release's bytes ({fa.detail})" if fa.detail else f"is not the {version} release's bytes"
@@ -99,7 +99,7 @@ def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
     env = getattr(tree, "env", None)
     uv = shlex.join(["uv", "pip", "install", "--python", str(env.executable), "--reinstall", "--link-mode=copy",
                      "--no-deps", spec]) if env else ""
-    state = {FileState.PRISTINE: "holds the release's bytes", FileState.APPLIED: "holds patched bytes"}.get(
+    state = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(
         f"{fa.path} is a symbolic link to {fa.link} (uv --link-mode=symlink?); it {state}, and sm120patch never "
@@ -124,20 +124,20 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
         if fa.read.problem:
             raise RefusedError(f"refusing to patch {assessment.name}: {fa.path}: {fa.read.problem}",
                                hint=_reinstall_hint(assessment))
-        if fa.state is FileState.MISSING:
+        if fa.state is State.MISSING:
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=False)
         if fa.link is not None and not force:
             raise _refuse_link(assessment, fa)
-        if fa.state is FileState.DRIFTED and not force:
+        if fa.state is State.DRIFTED and not force:
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
-        if fa.state is FileState.APPLIED and set(fa.applied) == wanted_ids and fa.link is None:
+        if fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None:
             if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
                 ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
                                                    origin=Origin.ADOPTED.value)
                 adopted.append(relpath)
             continue
         current = fa.read.data
-        if fa.state is FileState.DRIFTED:  # --force: patch whatever is there, by meaning
+        if fa.state is State.DRIFTED:  # --force: patch whatever is there, by meaning
             data = apply_edits(current, wanted, where=str(fa.path), by_meaning=True)
             if data == current and fa.link is None:
                 continue
@@ -147,7 +147,7 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
                                                origin=Origin.FORCED.value, link=fa.link)
             unpinned = True
             continue
-        if fa.state is FileState.PRISTINE:
+        if fa.state is State.PRISTINE:
             pristine, original = current, current
         else:  # applied with fewer patches (or a link to patched bytes): rebuild from the release's bytes
             found = release(relpath, expected.pristine) if release else None
@@ -186,11 +186,11 @@ def plan_revert(assessment: Assessment, *, force: bool = False, release: Release
         if fa.read.problem:
             raise RefusedError(f"refusing to revert {assessment.name}: {fa.path}: {fa.read.problem}",
                                hint=_reinstall_hint(assessment))
-        if fa.state is FileState.PRISTINE and fa.link is None and not (entry and entry.link):
+        if fa.state is State.PRISTINE and fa.link is None and not (entry and entry.link):
             continue
-        if fa.state is FileState.PRISTINE and entry and entry.link and fa.link == entry.link:
+        if fa.state is State.PRISTINE and entry and entry.link and fa.link == entry.link:
             continue  # the link is back already
-        if fa.state in (FileState.DRIFTED, FileState.MISSING) and not force:
+        if fa.state in (State.DRIFTED, State.MISSING) and not force:
             raise _refuse_drift(assessment, fa, "revert", release, force_offered=False)
         expected = _revert_target(assessment, relpath, entry, force=force)
         found = release(relpath, expected) if release and expected else None

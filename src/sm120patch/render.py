@@ -3,7 +3,7 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 
 from __future__ import annotations
 
-from sm120patch.assess import FileState, Origin, PatchState, Verdict
+from sm120patch.assess import Origin, State, Verdict
 from sm120patch.pipeline import ChangeReport, Result, StatusReport, TreeStatus, diff_label
 from sm120patch.trees import CheckoutTree
 
@@ -22,15 +22,15 @@ def _tokens(n: int, word: str) -> str:
 def _patch_word(item: TreeStatus, patch) -> str:
     """A checkout, or a release no patch set pins, is judged by meaning; an install by hash."""
     a = item.assessment
-    state = a.patch_state(patch) if a.patch_set is not None else PatchState.PRISTINE
+    state = a.patch_state(patch) if a.patch_set is not None else State.PRISTINE
     if isinstance(item.tree, CheckoutTree) or a.patch_set is None:
-        present = item.by_meaning.get(patch.id, state is PatchState.APPLIED)
+        present = item.by_meaning.get(patch.id, state is State.APPLIED)
         if isinstance(item.tree, CheckoutTree):
             return "in HEAD" if present else "not in HEAD"
         return "present" if present else "absent"
     word = state.value
     fa = item.assessment.files.get(patch.file)
-    if state is PatchState.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+    if state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
         word += f" ({fa.origin.value})"
     return word
 
@@ -40,12 +40,12 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
     lines = []
     for fa in a.files.values():
         if fa.link is not None:
-            where = {FileState.PRISTINE: "holds the release's bytes", FileState.APPLIED: "holds patched bytes"}.get(
+            where = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
                 fa.state, "does not hold the release's bytes")
             lines.append(f"  ! {fa.relpath} is a symbolic link to {fa.link} (uv --link-mode=symlink?); it {where}. "
                          "sm120patch never writes through a link: reinstall with --link-mode=copy, or `apply --force` "
                          "replaces it by a patched regular file")
-        if fa.state is FileState.APPLIED and fa.origin is Origin.BY_HAND:
+        if fa.state is State.APPLIED and fa.origin is Origin.BY_HAND:
             lines.append(f"  ! {fa.relpath}: patched by hand, identical to {', '.join(fa.applied)}; sm120patch has no "
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
         elif fa.detail:
@@ -208,7 +208,7 @@ def status_json(report: StatusReport) -> dict:
                 entry["patches"].append({
                     "id": patch.id, "file": patch.file, "required": patch.required,
                     "state": a.patch_state(patch).value,
-                    "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not PatchState.PRISTINE else None,
+                    "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not State.PRISTINE else None,
                     "link": fa.link, "sha256": fa.sha256, "upstream": patch.upstream, "fixed_in": patch.fixed_in,
                     "detail": fa.detail or None,
                     "in_head": item.by_meaning.get(patch.id) if isinstance(tree, CheckoutTree) else None,

@@ -16,6 +16,7 @@ process's signals alone and these functions do nothing.
 from __future__ import annotations
 
 import signal
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -33,6 +34,7 @@ class Interrupted(BaseException):
 
 class _State:
     installed = False
+    finished = False  # the command's outcome is decided (the CLI sets it before it exits)
     holding = 0  # > 0: signals are noted, not raised
     committed: str | None = None  # the operation whose commit point this process passed
     noted: list[int] = []  # signals that arrived while holding (not raised)
@@ -61,18 +63,39 @@ def _handler(signum: int, frame) -> None:  # noqa: ARG001 - the signal module's 
     _raise(signum)
 
 
+def dropped(unraisable, previous) -> None:
+    """``sys.unraisablehook`` while handlers are installed. A handler runs between any two
+    bytecodes, also inside a finalizer or a weakref callback (importlib's module locks have one),
+    where Python prints the exception and drops it. Such a signal is noted instead, as one that
+    arrived while holding: raised at the commit point, or reported by the CLI when the command
+    ends (never lost behind an "Exception ignored" traceback)."""
+    if isinstance(unraisable.exc_value, Interrupted):
+        (STATE.late if STATE.committed else STATE.noted).append(unraisable.exc_value.signum)
+        return
+    previous(unraisable)
+
+
+def pending() -> int | None:
+    """A signal noted before any commit point and not raised yet (dropped by a finalizer)."""
+    return STATE.noted[0] if STATE.noted and not STATE.committed else None
+
+
 @contextmanager
 def handled() -> Iterator[None]:
     """The handlers, for one command (the CLI)."""
     previous = {s: signal.getsignal(s) for s in HANDLED}
+    previous_hook = sys.unraisablehook
     STATE.installed, STATE.holding, STATE.committed, STATE.noted, STATE.late = True, 0, None, [], []
+    STATE.finished = False
     for s in HANDLED:
         signal.signal(s, _handler)
+    sys.unraisablehook = lambda unraisable: dropped(unraisable, previous_hook)
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
         STATE.installed = False
 
 
@@ -95,6 +118,8 @@ def commit_point(operation: str) -> None:
     """Called just before the commit point: from here the change stands, and signals are only
     noted until :func:`resume`."""
     if STATE.installed and STATE.committed is None:
+        if STATE.noted and not STATE.holding:  # one a finalizer dropped: the change must not stand
+            _raise(STATE.noted.pop(0))
         STATE.holding += 1
         STATE.committed = operation
 

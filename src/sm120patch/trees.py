@@ -19,7 +19,7 @@ from typing import Mapping, NamedTuple
 from packaging.version import Version
 
 from sm120patch.distributions import Distribution, Registry
-from sm120patch.environment import Environment, InstalledDistribution, parse_version
+from sm120patch.environment import Environment, InstalledDistribution, version_or_none
 from sm120patch.errors import TargetError
 from sm120patch.fileio import read_regular
 from sm120patch.patchsets import normalize_relpath
@@ -129,7 +129,7 @@ class CheckoutTree:
 
     @property
     def version(self) -> Version | None:
-        return parse_version(self.raw_version)
+        return version_or_none(self.raw_version)
 
     @property
     def label(self) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from sm120patch import ptx
-from sm120patch.assess import FileState, PatchState
+from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
 from sm120patch.pipeline import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
@@ -53,14 +53,14 @@ def static_checks(item: TreeStatus) -> list[CheckResult]:
     results = []
     for patch in a.patch_set.patches:
         state = a.patch_state(patch)
-        if not patch.required and state is PatchState.PRISTINE:
+        if not patch.required and state is State.PRISTINE:
             continue  # an opt-in patch nobody asked for
         fa = a.files[patch.file]
         results.append(CheckResult(
-            "static", f"{a.name} {patch.id}", state is PatchState.APPLIED,
-            f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is PatchState.APPLIED else ""),
+            "static", f"{a.name} {patch.id}", state is State.APPLIED,
+            f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is State.APPLIED else ""),
         ))
-        if fa.state is not FileState.MISSING and fa.read.data is not None:
+        if fa.state is not State.MISSING and fa.read.data is not None:
             ok, detail = evaluate(patch.check, fa.read.data)
             if ok is None:
                 ok, detail = False, f"cannot parse {patch.file} ({detail})"
@@ -145,7 +145,7 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
         return [CheckResult("compile", "nvcc PTX", None, f"this release's patch set does not touch {relpath}")]
     data_dir = a.tree.root / "flashinfer" / "data"
     expected = a.manifest.files[relpath].pristine if a.manifest else None
-    reference = a.tree.state.saved_original(relpath, expected) if header.state is FileState.APPLIED and expected else None
+    reference = a.tree.state.saved_original(relpath, expected) if header.state is State.APPLIED and expected else None
 
     def build(arch: str, tree: Path, label: str) -> str:
         if progress:
@@ -163,9 +163,9 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
         results.append(CheckResult("compile", "sm_120a lamport kernel PTX", count > 0,
                                    f"{count} griddepcontrol instruction(s)" + ("" if count else ": the kernel body is compiled out")))
         if reference is None:
-            detail = "installed header is the release's" if header.state is FileState.PRISTINE else "no saved original to compare with"
+            detail = "installed header is the release's" if header.state is State.PRISTINE else "no saved original to compare with"
             for arch in PTX_ARCHS[1:]:
-                results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", None if header.state is not FileState.PRISTINE else True, detail))
+                results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", None if header.state is not State.PRISTINE else True, detail))
             return results
         with tempfile.TemporaryDirectory(prefix="sm120patch-pristine-") as tmp:
             tree = _pristine_include_tree(data_dir, reference, Path(tmp))

@@ -55,12 +55,24 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
     if found:
         return found
     cache.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-         "--dest", str(cache), f"{distribution}=={version}"],
-        capture_output=True,
-        text=True,
-    )
+    import shutil
+    import tempfile
+
+    # Into a directory of its own, then renamed into the cache: a second run (or test worker)
+    # fetching the same release never sees a half-written wheel, and a killed one leaves none.
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+             "--dest", str(staging), f"{distribution}=={version}"],
+            capture_output=True,
+            text=True,
+        )
+        downloaded = cached_wheel(distribution, version, staging)
+        if downloaded is not None:
+            os.replace(downloaded, cache / downloaded.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     found = cached_wheel(distribution, version, cache)
     if proc.returncode != 0 or not found:
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
