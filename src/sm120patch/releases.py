@@ -15,7 +15,7 @@ reported as such and never pinned.
 
 from __future__ import annotations
 
-import difflib
+import functools
 import json
 import os
 import re
@@ -34,6 +34,7 @@ from sm120patch.distributions import Distribution, load_registry
 from sm120patch.errors import PatchDataError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.hashing import sha256
 from sm120patch.patchsets import PatchSet, parse_patch_set
+from sm120patch.plan import text_diff
 
 # Where --newer asks which releases exist (PyPI's JSON API; a mirror that serves it can stand in).
 INDEX_URL = os.environ.get("SM120PATCH_INDEX_URL", "https://pypi.org/pypi")
@@ -83,8 +84,12 @@ class Addition:
         """sm120patch supports the release (already, or once this addition is written)."""
         return self.outcome != "missing"
 
+    @functools.cached_property
+    def _previous_manifest(self):
+        return manifests.load_manifest(self.distribution, self.previous) if self.previous else None
+
     def previous_hash(self, relpath: str) -> str | None:
-        previous = manifests.load_manifest(self.distribution, self.previous) if self.previous else None
+        previous = self._previous_manifest
         return previous.files[relpath].pristine if previous and relpath in previous.files else None
 
 
@@ -133,7 +138,7 @@ def candidates(distribution: Distribution, version: Version) -> list[PatchSet]:
     return ordered
 
 
-def _try(patch_set: PatchSet, version: Version, archive, record: dict) -> tuple[Attempt, dict[str, tuple[bytes, bytes]]]:
+def _try(patch_set: PatchSet, archive, record: dict) -> tuple[Attempt, dict[str, tuple[bytes, bytes]]]:
     """Whether ``patch_set`` fits the wheel's files exactly: (attempt, relpath -> (pristine, patched))."""
     from sm120patch.rewriters import Changed, create
 
@@ -160,11 +165,11 @@ def _try(patch_set: PatchSet, version: Version, archive, record: dict) -> tuple[
                     reason = getattr(result, "reason", f"all {edit.sites} site(s) already patched in the release's bytes")
                     attempt.problems.append(f"{patch.id} ({edit.rewriter}) in {relpath}: {reason}")
         for patch in patch_set.patches_for(relpath):
-            before, _ = semantics.evaluate(patch.check, pristine)
+            before, why_before = semantics.evaluate(patch.check, pristine)
             after, why = semantics.evaluate(patch.check, data)
             if before:
                 attempt.problems.append(f"{patch.id}: its check already passes on the release's bytes "
-                                        f"(fixed upstream here?): {semantics.evaluate(patch.check, pristine)[1]}")
+                                        f"(fixed upstream here?): {why_before}")
             elif not after and data != pristine:
                 attempt.problems.append(f"{patch.id}: its check fails on the result: {why}")
         if relpath.endswith(".py") and data != pristine:
@@ -177,14 +182,6 @@ def _try(patch_set: PatchSet, version: Version, archive, record: dict) -> tuple[
                 attempt.problems.append(f"{relpath}: the result uses {', '.join(unbound)} without binding it")
         results[relpath] = (pristine, data)
     return attempt, results
-
-
-def _diff(relpath: str, pristine: bytes, patched: bytes) -> str:
-    try:
-        a, b = pristine.decode("utf-8").splitlines(keepends=True), patched.decode("utf-8").splitlines(keepends=True)
-    except UnicodeDecodeError:
-        return f"(binary: {relpath})\n"
-    return "".join(difflib.unified_diff(a, b, fromfile=f"a/{relpath}", tofile=f"b/{relpath}"))
 
 
 def _fits_its_file(patch_set: PatchSet, version: Version, distribution: Distribution) -> bool:
@@ -231,7 +228,7 @@ def add(name: str, raw_version: str, *, wheel: Path | None = None, check: bool =
     archive, record = manifests.read_wheel(wheel)
     with archive:
         for patch_set in candidates(distribution, version):
-            attempt, files = _try(patch_set, version, archive, record)
+            attempt, files = _try(patch_set, archive, record)
             result.tried.append(attempt)
             if not attempt.problems:
                 break
@@ -240,7 +237,7 @@ def add(name: str, raw_version: str, *, wheel: Path | None = None, check: bool =
     kept = result.tried[-1].patch_set
     for relpath, (pristine, patched) in files.items():
         result.files.append(FileReview(relpath, sha256(pristine), result.previous_hash(relpath),
-                                       _diff(relpath, pristine, patched)))
+                                       text_diff(pristine, patched, f"a/{relpath}", f"b/{relpath}")))
     result.outcome, result.patch_set = "pinned", kept
     result.new_file = not _fits_its_file(kept, version, distribution)
     if check:
