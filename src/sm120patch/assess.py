@@ -20,7 +20,7 @@ from sm120patch.manifests import FileHashes, Manifest, load_manifest
 from sm120patch.patchsets import Patch, PatchSet
 from sm120patch.semantics import evaluate
 from sm120patch.state import Ledger, LedgerFile
-from sm120patch.trees import FileRead
+from sm120patch.trees import FileRead, Tree
 
 
 class State(enum.Enum):
@@ -82,7 +82,7 @@ class FileAssessment(NamedTuple):
 
 
 class Assessment(NamedTuple):
-    tree: object  # InstalledTree | CheckoutTree
+    tree: Tree
     distribution: Distribution
     patch_set: PatchSet | None
     manifest: Manifest | None
@@ -152,7 +152,7 @@ class Assessment(NamedTuple):
         return [fa for fa in self.files.values() if fa.link is not None]
 
 
-def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, force_unknown: bool = False) -> Assessment:
+def assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None = None, force_unknown: bool = False) -> Assessment:
     """Each patched file's state. A release no patch set pins is assessed with the closest
     set when ``force_unknown`` (apply --force) or when the ledger says a forced apply used one."""
     version = tree.version
@@ -194,7 +194,7 @@ def assess(tree, distribution: Distribution, *, ledger: Ledger | None = None, fo
     return result._replace(manifest=manifest, files=files)
 
 
-def _unpinned_manifest(tree, patch_set: PatchSet, ledger: Ledger | None) -> Manifest:
+def _unpinned_manifest(tree: Tree, patch_set: PatchSet, ledger: Ledger | None) -> Manifest:
     """No vendor manifest vouches for this release: its own RECORD gives the release's hashes,
     and what sm120patch wrote (the ledger) the patched ones."""
     files = {}
@@ -205,7 +205,7 @@ def _unpinned_manifest(tree, patch_set: PatchSet, ledger: Ledger | None) -> Mani
     return Manifest(distribution=patch_set.distribution, version=tree.raw_version, wheel="", wheel_sha256="", files=files)
 
 
-def assess_file(tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
+def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
     read = tree.read(relpath)
     if read.problem:
         return FileAssessment(read, State.DRIFTED, None, detail=read.problem)
@@ -248,7 +248,7 @@ def _drift_detail(data: bytes, patches: Sequence[Patch], edited_after_patching: 
     return f"{head}, not the release's bytes: " + "; ".join(found)
 
 
-def present_by_meaning(tree, patch: Patch) -> bool:
+def present_by_meaning(tree: Tree, patch: Patch) -> bool:
     """Whether ``patch``'s change is in the tree's file, by its semantic check alone."""
     read = tree.read(patch.file)
     if read.data is None:

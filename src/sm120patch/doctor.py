@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from packaging.version import Version
 
 from sm120patch import driver
-from sm120patch.pipeline import StatusReport
+from sm120patch.reports import StatusReport
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # SM120 needs CUDA 12.8 (sm_120a); FlashInfer >= 0.6.7 targets 120f, which needs 12.9.

@@ -15,29 +15,24 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from packaging.version import InvalidVersion, Version
 
 from sm120patch import jitcache, signals
-from sm120patch.assess import Assessment, assess, present_by_meaning, status_exit_code
-from sm120patch.distributions import ANY, Advice, Distribution, Registry, load_registry
+from sm120patch.assess import Assessment, assess, present_by_meaning
+from sm120patch.distributions import ANY, Registry, load_registry
 from sm120patch.environment import Environment, start_probe
-from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageError
-from sm120patch.fusionpath import FusionVerdict, judge
-from sm120patch.hashing import sha256
+from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
+from sm120patch.fusionpath import judge
 from sm120patch.invocation import command
-from sm120patch.state import Orphan, Owner, orphans, state_root, temporaries
-from sm120patch.transaction import (
-    LOCK_TIMEOUT_S, Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover,
-    someone_holds,
-)
-from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
+from sm120patch.reports import ChangeReport, JitStatus, Left, Result, StatusReport, TreeStatus
+from sm120patch.state import Owner, orphans, state_root, temporaries
+from sm120patch.transaction import install_locks, journal_at, read_journal, recover
+from sm120patch.trees import CheckoutTree, InstalledTree, Tree, open_checkout
 
-if TYPE_CHECKING:  # planning and git commits are imported by the commands that change things, not by status
-    from sm120patch.checkout import Commit, Undo
-    from sm120patch.plan import Plan, ReleaseBytes
-
+__all__ = ["ChangeReport", "JitStatus", "Left", "Request", "Result", "StatusReport", "TreeStatus",
+           "apply", "build", "diff", "locate", "revert", "status"]
 
 
 class Request(NamedTuple):
@@ -71,19 +66,16 @@ def normalize_selector(option: str, value: str) -> str:
 
 # -- locate ------------------------------------------------------------------------------------
 
-class Located(NamedTuple):
+@dataclass
+class Located:
     env: Environment | None
-    trees: list  # InstalledTree | CheckoutTree, in registry order
-    routed: list[tuple[str, Path]]  # editable installs, to their checkouts
+    trees: list[Tree] = field(default_factory=list)  # in registry order
+    routed: list[tuple[str, Path]] = field(default_factory=list)  # editable installs, to their checkouts
     jit_base: str | None = None  # --jit-cache-base as given: commands suggested for this target keep it
-
-    @property
-    def installed(self) -> list[InstalledTree]:
-        return [t for t in self.trees if isinstance(t, InstalledTree)]
-
-    @property
-    def checkouts(self) -> list[CheckoutTree]:
-        return [t for t in self.trees if isinstance(t, CheckoutTree)]
+    # The same trees as locate made them: the installs share the environment's locks, journal,
+    # JIT cache and one transaction; each checkout has its own lock and commit.
+    installed: list[InstalledTree] = field(default_factory=list)
+    checkouts: list[CheckoutTree] = field(default_factory=list)
 
     @property
     def target(self) -> str:
@@ -116,9 +108,9 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
             raise UsageError(f"--source {request.source} is a {tree.distribution.name} checkout; "
                              f"{registry.get(other[0]).selector} does not apply to it")
         _check_version(tree, named.get(tree.distribution.name, ANY), request)
-        return Located(None, [tree], [])
+        return Located(None, [tree], checkouts=[tree])
     env = (probe or start_probe(request.python, registry.names)).result(registry.wanted_rows)
-    located = Located(env, [], [], jit_base=request.jit_base)
+    located = Located(env, jit_base=request.jit_base)
     for distribution in registry:
         if named and distribution.name not in named:
             continue
@@ -132,8 +124,10 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
         if dist.editable_source is not None:
             tree = open_checkout(dist.editable_source, registry)
             located.routed.append((distribution.name, dist.editable_source))
+            located.checkouts.append(tree)
         else:
             tree = InstalledTree(env, dist, distribution)
+            located.installed.append(tree)
         _check_version(tree, named.get(distribution.name, ANY), request, python=str(env.executable))
         located.trees.append(tree)
     return located
@@ -150,7 +144,7 @@ def _no_version(env: Environment, dist) -> RefusedError:
                         "Version: field (a damaged install)", hint=hint)
 
 
-def _check_version(tree, wanted: str, request: Request, *, python: str | None = None) -> None:
+def _check_version(tree: Tree, wanted: str, request: Request, *, python: str | None = None) -> None:
     if wanted == ANY:
         return
     try:
@@ -173,90 +167,11 @@ def _hold(located: Located, request: Request) -> ExitStack:
     stack = ExitStack()
     stack.enter_context(install_locks([t.dist.site_dir for t in located.installed], on_wait=request.on_wait))
     for tree in located.checkouts:
-        stack.enter_context(flock(Path(tree.repo.git_dir), what="checkout", timeout=LOCK_TIMEOUT_S, on_wait=request.on_wait,
-                                  busy=f"another sm120patch is changing {tree.root}", hint="run again when it has finished"))
+        stack.enter_context(tree.lock(request.on_wait))
     return stack
 
 
-# -- the release's bytes ---------------------------------------------------------------------------
-
-def release_bytes(tree, request: Request, *, download: bool) -> ReleaseBytes | None:
-    """Saved originals first, then the release wheel: in --wheel-dir, in sm120patch's wheel
-    cache, or (``download``) fetched into that cache. A wheel's file is used only when it
-    hashes to what the installed RECORD (or the ledger) expects."""
-    if not isinstance(tree, InstalledTree):
-        return None
-    state = tree.state
-
-    def get(relpath: str, expected: str) -> tuple[bytes, str] | None:
-        data = state.saved_original(relpath, expected)
-        if data is not None:
-            return data, "saved original"
-        from sm120patch import manifests, wheels
-
-        wheel = wheels.find_wheel(tree.dist.name, tree.raw_version, request.wheel_dir, download=download)
-        if wheel is None:
-            return None
-        try:
-            data, listed = manifests.wheel_file(wheel, relpath)
-        except Sm120PatchError:
-            return None
-        return (data, f"release wheel {wheel.name}") if sha256(data) == expected == listed else None
-
-    return get
-
-
 # -- status ----------------------------------------------------------------------------------------
-
-class JitStatus(NamedTuple):
-    base: jitcache.CacheBase
-    entries: list[Path]
-    stale: list[Path]
-    foreign: Mapping[Path, Path]  # entry -> a source of another environment
-    asides: list[Path]
-
-
-class TreeStatus(NamedTuple):
-    assessment: Assessment
-    pending: str | None = None  # an interrupted run (or one in progress), in words
-    pending_blocks: bool = False  # an interrupted run: status exits 3
-    by_meaning: Mapping[str, bool] = MappingProxyType({})  # patch id -> present, by its semantic check
-    advice: Sequence[Advice] = ()
-    pin: str | None = None
-    jit: JitStatus | None = None
-    routed_from: Path | None = None  # an editable install, shown as its checkout
-    fusion: FusionVerdict | None = None  # past the gate, on a GPU without multicast
-    with_raw_version: str = ""  # the installed release of the distribution's fusion_with
-
-    def advice_lines(self, *, bench: bool = False) -> list[tuple[str, str]]:
-        """(level, sentence) for each piece of advice (``bench``: only what bench prints too)."""
-        return [(a.level, a.render(self.assessment.raw_version, self.with_raw_version))
-                for a in self.advice if a.bench or not bench]
-
-    @property
-    def tree(self):
-        return self.assessment.tree
-
-    @property
-    def distribution(self) -> Distribution:
-        return self.assessment.distribution
-
-
-class StatusReport(NamedTuple):
-    target: str
-    python_version: str | None
-    trees: list[TreeStatus]
-    aot: list[jitcache.AotShadow]
-    registry_names: tuple[str, ...] = ()
-    apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
-    orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
-    temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return status_exit_code([t.assessment.verdict for t in self.trees],
-                                interrupted=any(t.pending_blocks for t in self.trees))
-
 
 def status(request: Request, registry: Registry | None = None, *, probe=None) -> StatusReport:
     """``probe``: the target probe already started (by the CLI, before the rest of sm120patch
@@ -266,30 +181,32 @@ def status(request: Request, registry: Registry | None = None, *, probe=None) ->
     trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:
-        installed = isinstance(tree, InstalledTree)
-        ledger, pending, blocks = None, None, False
-        if installed:
-            try:
-                ledger = tree.state.read_ledger()
-            except Sm120PatchError as exc:
-                pending, blocks = f"unreadable ledger ({exc.message})", True
-            pending, blocks = _pending(tree, pending, blocks, located.command("revert --force"))
+        pending, blocks = None, False
+        try:
+            ledger = tree.read_ledger()
+        except Sm120PatchError as exc:
+            ledger, pending, blocks = None, f"unreadable ledger ({exc.message})", True
+        journal = tree.pending(located.command("revert --force"))
+        if journal[0] is not None:
+            pending, blocks = journal
         a = assess(tree, tree.distribution, ledger=ledger)
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
         by_meaning = {}
-        if shown is not None and (not installed or a.patch_set is None) and not (a.not_needed or a.not_covered):
+        if shown is not None and (tree.judged_by_meaning or a.patch_set is None) and not (a.not_needed or a.not_covered):
             by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
-        pin = jit = None
-        if installed:
-            pin = _pin_mismatch(located.env, tree)
-            if tree.distribution.jit_module:
-                jit = _jit_status(tree, a, request)
-                aot += jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)
+        jit = tree.jit_status(request.jit_base, a)
+        aot += tree.aot_shadows()
+        branch, branch_error = None, None
+        try:
+            branch = tree.branch()
+        except Sm120PatchError as exc:  # only the text report shows the branch, so only it fails
+            branch_error = exc
         with_version = _fusion_with(located, tree)
-        trees.append(TreeStatus(a, pending, blocks, by_meaning=by_meaning, pin=pin, jit=jit,
+        trees.append(TreeStatus(a, pending, blocks, by_meaning=by_meaning, pin=tree.pin_mismatch(), jit=jit,
                                 advice=tree.distribution.advice_for(tree.version, a.applied_ids, with_version.version if with_version else None),
                                 with_raw_version=with_version.raw_version if with_version else "",
-                                routed_from=routed.get(tree.distribution.name)))
+                                routed_from=routed.get(tree.distribution.name), branch=branch,
+                                branch_error=branch_error))
     trees = _fusion_verdicts(trees, located)
     site_dirs = list(dict.fromkeys(t.dist.site_dir for t in located.installed))
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
@@ -314,101 +231,13 @@ def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStat
     return judged
 
 
-def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_command: str) -> tuple[str | None, bool]:
-    site_dir = tree.dist.site_dir
-    try:
-        journal = read_journal(journal_at(site_dir), revert_command=revert_command)
-    except Sm120PatchError as exc:
-        return exc.message, True  # in its own words: unreadable, or not even readable by this user
-    if journal is None:
-        return pending, blocks
-    if someone_holds(site_dir):
-        return f"another sm120patch (pid {journal.get('pid')}) is running {journal['operation']} here right now", False
-    return f"an interrupted {journal['operation']} (started {journal.get('started', '?')})", True
-
-
-def _fusion_with(located: Located, tree):
+def _fusion_with(located: Located, tree: Tree):
     """The installed distribution ``tree``'s fusion depends on (None: none, or not a known one)."""
     other = tree.distribution.fusion_with
     return located.env.get(other) if other and located.env is not None else None
 
 
-def _pin_mismatch(env: Environment, tree: InstalledTree) -> str | None:
-    other = tree.distribution.pins
-    if not other or env.get(other) is None:
-        return None
-    pinned = tree.dist.pinned_version_of(other)
-    installed = env.get(other).raw_version
-    if pinned and pinned != installed:
-        return f"{tree.dist.name} {tree.raw_version} pins {other}=={pinned}; {installed} is installed"
-    return None
-
-
-def _jit_status(tree: InstalledTree, a: Assessment, request: Request) -> JitStatus:
-    module = tree.distribution.jit_module
-    base = jitcache.cache_base(request.jit_base, owner=tree.owner)
-    entries = jitcache.entries(tree.raw_version, base.path, module)
-    sources = [fa.path for fa in a.files.values()]
-    foreign = {}
-    for entry in entries:
-        other = jitcache.foreign_entry(entry, tree.dist.site_dir)
-        if other is not None:
-            foreign[entry] = other
-    return JitStatus(base, entries, stale=[e for e in entries if jitcache.is_stale(e, sources)], foreign=foreign,
-                     asides=jitcache.asides(tree.raw_version, base.path, module))
-
-
 # -- apply, revert, diff ---------------------------------------------------------------------------
-
-@dataclass
-class Result:
-    name: str
-    version: str
-    label: str
-    kind: str  # environment / checkout
-    plan: Plan | None = None
-    message: str = ""  # why there is nothing to do
-    commit: Commit | None = None
-    undo: Undo | None = None
-
-
-@dataclass
-class Left:
-    """A distribution revert could not do (the others were done)."""
-
-    name: str
-    version: str
-    error: Sm120PatchError
-
-
-@dataclass
-class ChangeReport:
-    operation: str  # apply / revert
-    target: str
-    dry_run: bool = False
-    results: list[Result] = field(default_factory=list)
-    left: list[Left] = field(default_factory=list)
-    recovery: Recovery | None = None
-    jit_removed: list[Path] = field(default_factory=list)
-    jit_base: jitcache.CacheBase | None = None  # set when a JIT module's sources were looked at
-    jit_sources_changed: bool = False
-    aot: list[jitcache.AotShadow] = field(default_factory=list)
-    routed: list[tuple[str, Path]] = field(default_factory=list)
-    leftovers_removed: list[Path] = field(default_factory=list)
-    orphans_removed: list[Orphan] = field(default_factory=list)  # state of installs that are gone
-    builds: list = field(default_factory=list)  # jitbuild.BuildResult, apply --build
-    build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return ExitCode.REFUSED if self.left else ExitCode.OK
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.jit_removed or self.leftovers_removed or self.orphans_removed or self.recovery or any(b.compiled for b in self.builds)
-                    or any((r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed)
-                           for r in self.results))
-
 
 def _selected_ids(located: Located, with_ids: Sequence[str], registry: Registry) -> None:
     """Every --with id must be a patch of some selected distribution's pinned set; one of a
@@ -451,8 +280,8 @@ def _no_set(a: Assessment) -> RefusedError:
 
 
 def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
-    from sm120patch.checkout import refuse_dirty
     from sm120patch.plan import plan_apply
+    from sm120patch.write import write
 
     registry = registry or load_registry()
     located = locate(request, registry)
@@ -476,16 +305,16 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
                     continue
                 raise _no_set(a)
             ids = [i for i in request.with_ids if any(p.id == i for p in a.patch_set.patches)]
-            plan = plan_apply(a, a.patch_set.select(ids), force=request.force,
-                              release=release_bytes(tree, request, download=not request.dry_run))
-            if isinstance(tree, CheckoutTree) and plan.files and not request.dry_run:
-                refuse_dirty(tree)
+            plan = plan_apply(a, a.patch_set.select(ids), force=request.force, wheel_dir=request.wheel_dir,
+                              download=not request.dry_run)
+            if not request.dry_run:
+                tree.refuse_unwritable(plan)
             plans.append(plan)
-            report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, plan))
+            report.results.append(_planned(plan))
         report.aot = _aot(located)
         if request.dry_run:
             return report
-        _write(report, located, plans, request, operation="apply")
+        write(report, located, plans, request, operation="apply")
     signals.resume()  # the write and its cleanup are over: a build (minutes) can be interrupted
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
@@ -530,8 +359,8 @@ def _build(located: Located, request: Request) -> list:
 
 
 def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
-    from sm120patch.checkout import revert_checkout
     from sm120patch.plan import plan_revert
+    from sm120patch.write import write
 
     registry = registry or load_registry()
     located = locate(request, registry)
@@ -544,23 +373,24 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
         _clean_leftovers(located, request, report)
         plans = []
         for tree in located.trees:
-            if isinstance(tree, CheckoutTree):
+            undo = tree.revert_by_record()
+            if undo is not None:
                 report.results.append(Result(tree.distribution.name, tree.raw_version, tree.label, tree.kind,
-                                             undo=revert_checkout(tree)))
+                                             undo=undo))
                 continue
             try:
                 a = _assess(tree)
                 if a.patch_set is None:
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
-                plan = plan_revert(a, force=request.force, release=release_bytes(tree, request, download=True))
+                plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=True)
             except RefusedError as exc:
                 report.left.append(Left(tree.distribution.name, tree.raw_version, exc))
                 continue
             plans.append(plan)
-            report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, plan))
+            report.results.append(_planned(plan))
         report.aot = _aot(located)
-        _write(report, located, plans, request, operation="revert")
+        write(report, located, plans, request, operation="revert")
     return report
 
 
@@ -606,130 +436,19 @@ def _refuse_pending(located: Located) -> None:
                                hint=f"`{located.command('apply')}` rolls it back first")
 
 
-def _assess(tree, *, force_unknown: bool = False) -> Assessment:
-    ledger = tree.state.read_ledger() if isinstance(tree, InstalledTree) else None
-    return assess(tree, tree.distribution, ledger=ledger, force_unknown=force_unknown)
+def _assess(tree: Tree, *, force_unknown: bool = False) -> Assessment:
+    return assess(tree, tree.distribution, ledger=tree.read_ledger(), force_unknown=force_unknown)
 
 
 def _aot(located: Located) -> list[jitcache.AotShadow]:
-    return [shadow for tree in located.installed if tree.distribution.jit_module
-            for shadow in jitcache.aot_shadows(located.env, tree.dist, tree.distribution.jit_module)]
+    return [shadow for tree in located.installed for shadow in tree.aot_shadows()]
 
 
-def _write(report: ChangeReport, located: Located, plans: list[Plan], request: Request, *, operation: str) -> None:
-    """Checkouts: one commit each (a commit rolls itself back on failure). Installs: one
-    transaction over every distribution, with FlashInfer's stale JIT entries moved aside under
-    FlashInfer's own lock. When the transaction fails after a commit, the commit is undone."""
-    from sm120patch.checkout import commit_plan, revert_checkout
-
-    commits = []
-    for plan in plans:
-        tree = plan.assessment.tree
-        if isinstance(tree, CheckoutTree) and plan.files:
-            commit = commit_plan(tree, plan)
-            commits.append(tree)
-            next(r for r in report.results if r.plan is plan).commit = commit
-    installed = [p for p in plans if isinstance(p.assessment.tree, InstalledTree)]
-    if not located.installed:
-        return
-    try:
-        with ExitStack() as locks:
-            changes, roots, owners = [], [], {}
-            for tree in located.installed:
-                root = state_root(tree.dist.site_dir)
-                if root not in roots:
-                    roots.append(root)
-                    owners[root] = tree.owner
-            # Stale JIT entries first: moved aside before any source changes, so no server
-            # can load an entry built from sources that are about to change.
-            for tree in located.installed:
-                changes += _jit_changes(tree, installed, request, report, locks, roots[0])
-            for plan in installed:
-                changes += _changes(plan, operation)
-            changes += _orphan_changes(located, report)
-            if not changes:
-                return
-            Transaction(operation, roots, owners, changes,
-                        revert_command=located.command("revert --force")).run_all()
-    except BaseException:
-        for tree in commits:
-            revert_checkout(tree)
-        raise
-
-
-def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
-    """The state of installs that are gone (uninstalled, or another version now), removed in the
-    same transaction: a full revert then leaves no .sm120patch/ behind."""
-    changes = []
-    for site_dir in dict.fromkeys(t.dist.site_dir for t in located.installed):
-        for orphan in orphans(site_dir):
-            report.orphans_removed.append(orphan)
-            changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
-                        for path in orphan.files]
-    return changes
-
-
-def _changes(plan: Plan, operation: str) -> list[Change]:
-    tree: InstalledTree = plan.assessment.tree
-    state, owner = tree.state, tree.owner
-    root = state.root.parent
-    changes = []
-    for planned in plan.files:
-        if operation == "apply" and planned.original is not None and state.saved_original(
-                planned.relpath, sha256(planned.original)) is None:
-            if planned.replaces_link is None and planned.current == planned.original:
-                # The file being replaced is the original: keep its inode (a hard link, no new space).
-                changes.append(Change("restore", state.original(planned.relpath), root, source=planned.path,
-                                      owner=owner, label=f"original of {planned.relpath}"))
-            else:
-                changes.append(Change("write", state.original(planned.relpath), root, data=planned.original,
-                                      owner=owner, label=f"original of {planned.relpath}"))
-        if planned.relink is not None:
-            changes.append(Change("symlink", planned.path, root, target=planned.relink, label=planned.relpath))
-        elif planned.restore_from == "saved original":
-            changes.append(Change("restore", planned.path, root, source=state.original(planned.relpath),
-                                  label=planned.relpath))
-        else:
-            changes.append(Change("write", planned.path, root, data=planned.data, owner=owner, label=planned.relpath))
-        if operation == "revert" and state.original(planned.relpath).exists():
-            # Journaled like every other change: a kill never leaves a ledger-less original.
-            changes.append(Change("remove", state.original(planned.relpath), root,
-                                  label=f"original of {planned.relpath}"))
-    if plan.ledger_changes:
-        if plan.ledger is not None:
-            changes.append(Change("write", state.ledger_path, root, data=plan.ledger.to_bytes(), owner=owner,
-                                  label=f"{plan.assessment.name} ledger"))
-        elif state.ledger_path.exists():
-            changes.append(Change("remove", state.ledger_path, root, label=f"{plan.assessment.name} ledger"))
-            # With the ledger, every original it kept goes (a reinstall put the release's bytes back
-            # without sm120patch: nothing to restore, but the state is still there).
-            removed = {c.path for c in changes}
-            changes += [Change("remove", path, root, label=f"original {path.relative_to(state.root / 'originals')}")
-                        for path in state.files() if path != state.ledger_path and path not in removed]
-    return changes
-
-
-def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,
-                 locks: ExitStack, root: Path) -> list[Change]:
-    """Move aside the module's entries of this version: all of them when its sources change;
-    otherwise those older than the sources (a run killed after its files changed, an entry
-    built under another base and copied)."""
-    module = tree.distribution.jit_module
-    plan = next((p for p in plans if p.assessment.tree is tree), None)
-    if not module or plan is None:
-        return []
-    base = jitcache.cache_base(request.jit_base, owner=tree.owner)
-    report.jit_base = base
-    report.jit_sources_changed = report.jit_sources_changed or bool(plan.files)
-    entries = jitcache.entries(tree.raw_version, base.path, module)
-    if not plan.files:
-        sources = [fa.path for fa in plan.assessment.files.values()]
-        entries = [e for e in entries if jitcache.is_stale(e, sources)]
-    if not entries:
-        return []
-    locks.enter_context(jitcache.module_locks(entries, module, owner=Owner.of(base.path), on_wait=request.on_wait))
-    report.jit_removed += entries
-    return [Change("aside", entry, root, label=f"JIT entry {entry}") for entry in entries]
+def _planned(plan) -> Result:
+    """A plan's result, with each file's path as a diff names it (the tree says where from)."""
+    a = plan.assessment
+    return Result(a.name, a.raw_version, a.tree.label, a.tree.kind, plan,
+                  diff_paths={p.relpath: a.tree.diff_path(p.relpath) for p in plan.files})
 
 
 # -- diff ----------------------------------------------------------------------------------------
@@ -737,12 +456,4 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
 def diff(request: Request, registry: Registry | None = None) -> ChangeReport:
     """What apply would write, for every selected distribution: a dry run."""
     return apply(request._replace(dry_run=True), registry)
-
-
-def diff_label(result: Result, planned) -> str:
-    """Paths from the package root (site-packages) for an install, from the repository root
-    for a checkout: `patch -p1` and `git apply` accept either where it was made."""
-    tree = result.plan.assessment.tree
-    return planned.relpath if result.kind == "environment" else tree.repo_path(planned.relpath)
-
 

@@ -6,8 +6,8 @@ dry run)."""
 from __future__ import annotations
 
 import difflib
-import shlex
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -17,11 +17,6 @@ from sm120patch.hashing import sha256
 from sm120patch.manifests import apply_edits, combination_key
 from sm120patch.patchsets import Patch
 from sm120patch.state import Ledger, LedgerFile
-
-# Where the release's bytes of a file come from when the file is not the release's any more:
-# (relpath, expected sha256) -> (bytes, where they came from), or None.
-ReleaseBytes = Callable[[str, str], "tuple[bytes, str] | None"]
-
 
 def text_diff(before: bytes, after: bytes, before_label: str, after_label: str) -> str:
     return "".join(difflib.unified_diff(
@@ -66,14 +61,10 @@ class Plan:
 
 
 def _reinstall_hint(assessment: Assessment) -> str:
-    tree = assessment.tree
-    env = getattr(tree, "env", None)
-    if env is not None:
-        return f"reinstall with `{env.reinstall_command(tree.dist)}`"
-    return f"`git checkout -- {tree.root}` restores the checkout's files"
+    return assessment.tree.reinstall_hint
 
 
-def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release: ReleaseBytes | None,
+def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release: Callable[[str, str], tuple[bytes, str] | None],
                   *, force_offered: bool) -> RefusedError:
     name, version = assessment.name, assessment.raw_version
     if fa.state is State.MISSING:
@@ -82,7 +73,7 @@ def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release
         what = f"is not the {version} release's bytes ({fa.detail})" if fa.detail else f"is not the {version} release's bytes"
     diff = ""
     expected = assessment.manifest.files[fa.relpath].pristine if assessment.manifest else None
-    if fa.read.data is not None and release is not None and expected:
+    if fa.read.data is not None and expected:
         found = release(fa.relpath, expected)
         if found is not None:
             diff = text_diff(found[0], fa.read.data, f"release/{fa.relpath}", f"installed/{fa.relpath}")
@@ -94,11 +85,7 @@ def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release
 
 
 def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
-    tree = assessment.tree
-    spec = f"{assessment.name}=={assessment.raw_version}"
-    env = getattr(tree, "env", None)
-    uv = shlex.join(["uv", "pip", "install", "--python", str(env.executable), "--reinstall", "--link-mode=copy",
-                     "--no-deps", spec]) if env else ""
+    uv = assessment.tree.copy_reinstall_command(f"{assessment.name}=={assessment.raw_version}") or ""
     state = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(
@@ -110,8 +97,9 @@ def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
 
 
 def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool = False,
-               release: ReleaseBytes | None = None) -> Plan:
+               wheel_dir: Path | None = None, download: bool = False) -> Plan:
     patch_set, manifest = assessment.patch_set, assessment.manifest
+    release = partial(assessment.tree.release_bytes, wheel_dir=wheel_dir, download=download)
     assert patch_set is not None and manifest is not None
     ledger_files: dict[str, LedgerFile] = dict(assessment.ledger.files) if assessment.ledger else {}
     planned, adopted = [], []
@@ -150,7 +138,7 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
         if fa.state is State.PRISTINE:
             pristine, original = current, current
         else:  # applied with fewer patches (or a link to patched bytes): rebuild from the release's bytes
-            found = release(relpath, expected.pristine) if release else None
+            found = release(relpath, expected.pristine)
             if found is None:
                 raise RefusedError(f"cannot add patches to {fa.path}: the release's bytes of it are neither saved by "
                                    "sm120patch nor in a wheel it can read", hint=_reinstall_hint(assessment)
@@ -168,18 +156,20 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
         ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, sha256(data),
                                            origin=Origin.SM120PATCH.value if not assessment.unpinned else Origin.FORCED.value,
                                            link=fa.link or (fa.ledger.link if fa.ledger else None))
-    tree = assessment.tree
-    ledger = Ledger(assessment.name, assessment.raw_version, str(getattr(getattr(tree, "dist", None), "dist_info", "")),
+    dist_info = assessment.tree.dist_info
+    ledger = Ledger(assessment.name, assessment.raw_version, str(dist_info) if dist_info is not None else "",
                     ledger_files, unpinned, patch_set.name) if ledger_files else None
     return Plan(assessment, tuple(planned), ledger, tuple(adopted))
 
 
-def plan_revert(assessment: Assessment, *, force: bool = False, release: ReleaseBytes | None = None) -> Plan:
+def plan_revert(assessment: Assessment, *, force: bool = False, wheel_dir: Path | None = None,
+                download: bool = False) -> Plan:
     """The bytes sm120patch replaced back in every file it changed, and (with ``force``, or for
     a file sm120patch has no record of) the release's bytes in every file that is not the
     release's: from the saved original, else from the release wheel (its hash checked against
     the installed RECORD)."""
     ledger = assessment.ledger
+    release = partial(assessment.tree.release_bytes, wheel_dir=wheel_dir, download=download)
     planned = []
     for relpath, fa in assessment.files.items():
         entry = ledger.files.get(relpath) if ledger else None
@@ -193,7 +183,7 @@ def plan_revert(assessment: Assessment, *, force: bool = False, release: Release
         if fa.state in (State.DRIFTED, State.MISSING) and not force:
             raise _refuse_drift(assessment, fa, "revert", release, force_offered=False)
         expected = _revert_target(assessment, relpath, entry, force=force)
-        found = release(relpath, expected) if release and expected else None
+        found = release(relpath, expected) if expected else None
         if found is None:
             raise RefusedError(
                 f"cannot revert {fa.path}: the release's bytes of it are neither saved by sm120patch nor in a wheel "

@@ -4,8 +4,7 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 from __future__ import annotations
 
 from sm120patch.assess import Origin, State, Verdict
-from sm120patch.pipeline import ChangeReport, Result, StatusReport, TreeStatus, diff_label
-from sm120patch.trees import CheckoutTree
+from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
 
 AOT_HINT = (
     "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
@@ -23,11 +22,8 @@ def _patch_word(item: TreeStatus, patch) -> str:
     """A checkout, or a release no patch set pins, is judged by meaning; an install by hash."""
     a = item.assessment
     state = a.patch_state(patch) if a.patch_set is not None else State.PRISTINE
-    if isinstance(item.tree, CheckoutTree) or a.patch_set is None:
-        present = item.by_meaning.get(patch.id, state is State.APPLIED)
-        if isinstance(item.tree, CheckoutTree):
-            return "in HEAD" if present else "not in HEAD"
-        return "present" if present else "absent"
+    if item.tree.judged_by_meaning or a.patch_set is None:
+        return item.tree.presence_word(item.by_meaning.get(patch.id, state is State.APPLIED))
     word = state.value
     fa = item.assessment.files.get(patch.file)
     if state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
@@ -73,9 +69,7 @@ def render_status(report: StatusReport) -> str:
     for item in report.trees:
         a, tree, distribution = item.assessment, item.tree, item.distribution
         lines.append("")
-        where = f"  ({tree.root})" if not isinstance(tree, CheckoutTree) else ""
-        head = f"{a.name} {a.raw_version}" + (" checkout at " + str(tree.root) if isinstance(tree, CheckoutTree) else "")
-        lines.append(f"{head}: {a.verdict.value}{where}")
+        lines.append(f"{tree.heading}: {a.verdict.value}{tree.where}")
         if tree.shared_with:
             lines.append(f"  ! installed in {tree.shared_with}")
         if item.routed_from is not None:
@@ -111,12 +105,10 @@ def render_status(report: StatusReport) -> str:
             if item.fusion.path is not None:
                 # status leaves the driver alone (cuInit alone took 190 ms on one H200, docs/benchmarks.md)
                 lines.append(f"    (whether this machine's GPUs have multicast: `{item.fusion.doctor_command}`)")
-        if isinstance(tree, CheckoutTree):
-            from sm120patch.checkout import read_note
-
-            note = read_note(tree)
-            if note:
-                lines.append(f"  sm120patch's branch: {note['branch']}")
+        if item.branch_error is not None:
+            raise item.branch_error
+        if item.branch:
+            lines.append(f"  sm120patch's branch: {item.branch}")
         if item.jit is not None:
             lines += _jit_lines(item, report)
     for shadow in report.aot:
@@ -172,7 +164,7 @@ def status_json(report: StatusReport) -> dict:
             "version": a.raw_version,
             "kind": tree.kind,
             "location": str(tree.root),
-            "dist_info": str(tree.dist.dist_info) if hasattr(tree, "dist") else None,
+            "dist_info": str(tree.dist_info) if tree.dist_info is not None else None,
             "editable_checkout": str(item.routed_from) if item.routed_from else None,
             "state": a.verdict.value,
             "patch_set": a.patch_set.name if a.patch_set else None,
@@ -211,7 +203,7 @@ def status_json(report: StatusReport) -> dict:
                     "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not State.PRISTINE else None,
                     "link": fa.link, "sha256": fa.sha256, "upstream": patch.upstream, "fixed_in": patch.fixed_in,
                     "detail": fa.detail or None,
-                    "in_head": item.by_meaning.get(patch.id) if isinstance(tree, CheckoutTree) else None,
+                    "in_head": item.by_meaning.get(patch.id) if tree.judged_by_meaning else None,
                 })
         elif item.by_meaning:
             entry["present_by_meaning"] = item.by_meaning
@@ -279,7 +271,7 @@ def _changed_lines(report: ChangeReport, result: Result, verb: str) -> list[str]
     if report.dry_run:
         if not plan.files:
             return [f"{head}: already {verb}, nothing would change"]
-        return [p.diff(diff_label(result, p)).rstrip("\n") for p in plan.files]
+        return [result.diff(p).rstrip("\n") for p in plan.files]
     lines = []
     for relpath in plan.adopted:
         lines.append(f"{head}: {relpath} was patched by hand, identical to the patch: recorded as applied "
@@ -296,7 +288,7 @@ def _changed_lines(report: ChangeReport, result: Result, verb: str) -> list[str]
     if plan.assessment.unpinned and report.operation == "apply":
         lines.append(f"{head}: no patch set pins this release; applied {plan.assessment.patch_set.name} by meaning "
                      "(--force), recorded as unpinned:")
-        lines += [p.diff(diff_label(result, p)).rstrip("\n") for p in plan.files]
+        lines += [result.diff(p).rstrip("\n") for p in plan.files]
     if result.commit is not None:
         lines.append(f"{head}: committed {result.commit.sha[:12]} on {result.commit.branch} "
                      f"({_tokens(len(result.commit.files), 'file')})"
@@ -339,7 +331,7 @@ def change_json(report: ChangeReport) -> dict:
                 "adopted": list(r.plan.adopted) if r.plan else [],
                 "files": [
                     {"file": f.relpath, "patches": list(f.patches), "before": f.before, "after": f.after,
-                     "diff": f.diff(diff_label(r, f)) if report.dry_run else None}
+                     "diff": r.diff(f) if report.dry_run else None}
                     for f in (r.plan.files if r.plan else ())
                 ],
             }
@@ -358,7 +350,7 @@ def change_json(report: ChangeReport) -> dict:
 
 
 def render_diff(report: ChangeReport) -> str:
-    return "".join(p.diff(diff_label(r, p)) for r in report.results for p in (r.plan.files if r.plan else ()))
+    return "".join(r.diff(p) for r in report.results for p in (r.plan.files if r.plan else ()))
 
 
 # -- list -----------------------------------------------------------------------------------------

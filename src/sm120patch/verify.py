@@ -24,7 +24,7 @@ from typing import Callable
 from sm120patch import ptx
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
-from sm120patch.pipeline import StatusReport, TreeStatus
+from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
 
 PTX_ARCHS = ("120a", "90a", "100a")
@@ -145,7 +145,7 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
         return [CheckResult("compile", "nvcc PTX", None, f"this release's patch set does not touch {relpath}")]
     data_dir = a.tree.root / "flashinfer" / "data"
     expected = a.manifest.files[relpath].pristine if a.manifest else None
-    reference = a.tree.state.saved_original(relpath, expected) if header.state is State.APPLIED and expected else None
+    reference = a.tree.saved_original(relpath, expected) if header.state is State.APPLIED and expected else None
 
     def build(arch: str, tree: Path, label: str) -> str:
         if progress:

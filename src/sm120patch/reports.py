@@ -1,0 +1,134 @@
+"""What the commands return: plain values the renderer turns into text or --json, each with its
+exit code. No I/O here, and nothing is decided after the report is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+
+from sm120patch import jitcache
+from sm120patch.assess import Assessment, status_exit_code
+from sm120patch.distributions import Advice, Distribution
+from sm120patch.errors import ExitCode, Sm120PatchError
+from sm120patch.fusionpath import FusionVerdict
+from sm120patch.state import Orphan
+
+if TYPE_CHECKING:
+    from sm120patch.checkout import Commit, Undo
+    from sm120patch.plan import Plan, PlannedFile
+    from sm120patch.transaction import Recovery
+    from sm120patch.trees import Tree
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+class JitStatus(NamedTuple):
+    base: jitcache.CacheBase
+    entries: list[Path]
+    stale: list[Path]
+    foreign: Mapping[Path, Path]  # entry -> a source of another environment
+    asides: list[Path]
+
+
+class TreeStatus(NamedTuple):
+    assessment: Assessment
+    pending: str | None = None  # an interrupted run (or one in progress), in words
+    pending_blocks: bool = False  # an interrupted run: status exits 3
+    by_meaning: Mapping[str, bool] = MappingProxyType({})  # patch id -> present, by its semantic check
+    advice: Sequence[Advice] = ()
+    pin: str | None = None
+    jit: JitStatus | None = None
+    routed_from: Path | None = None  # an editable install, shown as its checkout
+    fusion: FusionVerdict | None = None  # past the gate, on a GPU without multicast
+    with_raw_version: str = ""  # the installed release of the distribution's fusion_with
+    branch: str | None = None  # sm120patch's branch in a checkout
+    branch_error: Sm120PatchError | None = None  # its note could not be read: the text report says so
+
+    def advice_lines(self, *, bench: bool = False) -> list[tuple[str, str]]:
+        """(level, sentence) for each piece of advice (``bench``: only what bench prints too)."""
+        return [(a.level, a.render(self.assessment.raw_version, self.with_raw_version))
+                for a in self.advice if a.bench or not bench]
+
+    @property
+    def tree(self) -> Tree:
+        return self.assessment.tree
+
+    @property
+    def distribution(self) -> Distribution:
+        return self.assessment.distribution
+
+
+class StatusReport(NamedTuple):
+    target: str
+    python_version: str | None
+    trees: list[TreeStatus]
+    aot: list[jitcache.AotShadow]
+    registry_names: tuple[str, ...] = ()
+    apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
+    orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
+    temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return status_exit_code([t.assessment.verdict for t in self.trees],
+                                interrupted=any(t.pending_blocks for t in self.trees))
+
+
+# -- apply, revert, diff, build ---------------------------------------------------------------------
+
+@dataclass
+class Result:
+    name: str
+    version: str
+    label: str
+    kind: str  # environment / checkout
+    plan: Plan | None = None
+    message: str = ""  # why there is nothing to do
+    commit: Commit | None = None
+    undo: Undo | None = None
+    diff_paths: Mapping[str, str] = field(default_factory=dict)  # relpath -> its path in a diff
+
+    def diff(self, planned: PlannedFile) -> str:
+        """Paths from the package root (site-packages) for an install, from the repository root
+        for a checkout: `patch -p1` and `git apply` accept either where it was made."""
+        return planned.diff(self.diff_paths[planned.relpath])
+
+
+@dataclass
+class Left:
+    """A distribution revert could not do (the others were done)."""
+
+    name: str
+    version: str
+    error: Sm120PatchError
+
+
+@dataclass
+class ChangeReport:
+    operation: str  # apply / revert
+    target: str
+    dry_run: bool = False
+    results: list[Result] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    recovery: Recovery | None = None
+    jit_removed: list[Path] = field(default_factory=list)
+    jit_base: jitcache.CacheBase | None = None  # set when a JIT module's sources were looked at
+    jit_sources_changed: bool = False
+    aot: list[jitcache.AotShadow] = field(default_factory=list)
+    routed: list[tuple[str, Path]] = field(default_factory=list)
+    leftovers_removed: list[Path] = field(default_factory=list)
+    orphans_removed: list[Orphan] = field(default_factory=list)  # state of installs that are gone
+    builds: list = field(default_factory=list)  # jitbuild.BuildResult, apply --build
+    build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.REFUSED if self.left else ExitCode.OK
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.jit_removed or self.leftovers_removed or self.orphans_removed or self.recovery or any(b.compiled for b in self.builds)
+                    or any((r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed)
+                           for r in self.results))

@@ -1,0 +1,130 @@
+"""The write step: every plan of one run written as one unit. Each tree writes its own plan
+(a checkout commits it on a branch of its own; an install adds its changes to the one
+transaction); the transaction also moves FlashInfer's stale JIT entries aside (under
+FlashInfer's own lock) and removes the state of installs that are gone. When the transaction
+fails after a commit, the commit is undone."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sm120patch import jitcache
+from sm120patch.hashing import sha256
+from sm120patch.reports import ChangeReport
+from sm120patch.state import Owner, orphans, state_root
+from sm120patch.transaction import Change, Transaction
+from sm120patch.trees import InstalledTree, Writes
+
+if TYPE_CHECKING:
+    from sm120patch.pipeline import Located, Request
+    from sm120patch.plan import Plan
+
+
+def write(report: ChangeReport, located: Located, plans: list[Plan], request: Request, *, operation: str) -> None:
+    writes = Writes()
+    for plan in plans:
+        commit = plan.assessment.tree.write(plan, writes)
+        if commit is not None:
+            next(r for r in report.results if r.plan is plan).commit = commit
+    if not located.installed:
+        return
+    try:
+        with ExitStack() as locks:
+            roots, owners = [], {}
+            for tree in located.installed:
+                root = state_root(tree.dist.site_dir)
+                if root not in roots:
+                    roots.append(root)
+                    owners[root] = tree.owner
+            # Stale JIT entries first: moved aside before any source changes, so no server
+            # can load an entry built from sources that are about to change.
+            changes = []
+            for tree in located.installed:
+                changes += _jit_changes(tree, plans, request, report, locks, roots[0])
+            for tree, plan in writes.transaction:
+                changes += install_changes(tree, plan, operation)
+            changes += _orphan_changes(located, report)
+            if not changes:
+                return
+            Transaction(operation, roots, owners, changes,
+                        revert_command=located.command("revert --force")).run_all()
+    except BaseException:
+        for undo in writes.undo:
+            undo()
+        raise
+
+
+def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
+    """The state of installs that are gone (uninstalled, or another version now), removed in the
+    same transaction: a full revert then leaves no .sm120patch/ behind."""
+    changes = []
+    for site_dir in dict.fromkeys(t.dist.site_dir for t in located.installed):
+        for orphan in orphans(site_dir):
+            report.orphans_removed.append(orphan)
+            changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
+                        for path in orphan.files]
+    return changes
+
+
+def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Change]:
+    """One install's plan as the transaction's changes: the originals saved on the first patch
+    of a file, the files, the ledger (and, with the ledger gone, every original it kept)."""
+    state, owner = tree.state, tree.owner
+    root = state.root.parent
+    changes = []
+    for planned in plan.files:
+        if operation == "apply" and planned.original is not None and state.saved_original(
+                planned.relpath, sha256(planned.original)) is None:
+            if planned.replaces_link is None and planned.current == planned.original:
+                # The file being replaced is the original: keep its inode (a hard link, no new space).
+                changes.append(Change("restore", state.original(planned.relpath), root, source=planned.path,
+                                      owner=owner, label=f"original of {planned.relpath}"))
+            else:
+                changes.append(Change("write", state.original(planned.relpath), root, data=planned.original,
+                                      owner=owner, label=f"original of {planned.relpath}"))
+        if planned.relink is not None:
+            changes.append(Change("symlink", planned.path, root, target=planned.relink, label=planned.relpath))
+        elif planned.restore_from == "saved original":
+            changes.append(Change("restore", planned.path, root, source=state.original(planned.relpath),
+                                  label=planned.relpath))
+        else:
+            changes.append(Change("write", planned.path, root, data=planned.data, owner=owner, label=planned.relpath))
+        if operation == "revert" and state.original(planned.relpath).exists():
+            # Journaled like every other change: a kill never leaves a ledger-less original.
+            changes.append(Change("remove", state.original(planned.relpath), root,
+                                  label=f"original of {planned.relpath}"))
+    if plan.ledger_changes:
+        if plan.ledger is not None:
+            changes.append(Change("write", state.ledger_path, root, data=plan.ledger.to_bytes(), owner=owner,
+                                  label=f"{plan.assessment.name} ledger"))
+        elif state.ledger_path.exists():
+            changes.append(Change("remove", state.ledger_path, root, label=f"{plan.assessment.name} ledger"))
+            # With the ledger, every original it kept goes (a reinstall put the release's bytes back
+            # without sm120patch: nothing to restore, but the state is still there).
+            removed = {c.path for c in changes}
+            changes += [Change("remove", path, root, label=f"original {path.relative_to(state.root / 'originals')}")
+                        for path in state.files() if path != state.ledger_path and path not in removed]
+    return changes
+
+
+def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,
+                 locks: ExitStack, root: Path) -> list[Change]:
+    """Move aside the module's entries of this version (jitcache says which), under its lock."""
+    module = tree.distribution.jit_module
+    plan = next((p for p in plans if p.assessment.tree is tree), None)
+    if not module or plan is None:
+        return []
+    base = jitcache.cache_base(request.jit_base, owner=tree.owner)
+    report.jit_base = base
+    report.jit_sources_changed = report.jit_sources_changed or bool(plan.files)
+    changes = jitcache.move_aside(tree.raw_version, base.path, module,
+                                  [fa.path for fa in plan.assessment.files.values()],
+                                  sources_change=bool(plan.files), root=root)
+    if not changes:
+        return []
+    entries = [change.path for change in changes]
+    locks.enter_context(jitcache.module_locks(entries, module, owner=Owner.of(base.path), on_wait=request.on_wait))
+    report.jit_removed += entries
+    return changes
