@@ -285,7 +285,7 @@ class _Terminal:
 def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, drawn):
     import sys
 
-    from sm120patch.cli import BuildProgress
+    from sm120patch.progress import BuildProgress
 
     terminal = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", terminal)

@@ -208,11 +208,18 @@ def invocation(ctx: click.Context):
 
 
 def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=None, with_ids=None, force=False,
-                 dry_run=False, build=False, arch=None, on_build_step=None, **selectors):
-    from sm120patch import pipeline
-
+                 dry_run=False, build=False, arch=None, on_build_step=None, early_probe=False, **selectors):
+    """``early_probe``: start asking the target interpreter now, so that it answers while the
+    rest of sm120patch is imported and the patch data read (status stays fast)."""
     if python and source:
         raise click.UsageError("--python and --source name two different targets; give one")
+    probe = None
+    if early_probe and not source:
+        from sm120patch import environment
+
+        probe = environment.start_probe(python, [name for _, name in SELECTORS])
+    from sm120patch import pipeline
+
     names = dict(SELECTORS)
     chosen = {names[option]: pipeline.normalize_selector(option, value)
               for option, value in selectors.items() if option in names and value is not None}
@@ -222,8 +229,20 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
                                  "(`sm120patch list` shows them)", param_hint="--with")
     return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
                             dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
-                            on_build_step=on_build_step,
+                            on_build_step=on_build_step, probe=probe,
                             on_wait=lambda text: click.echo(f"sm120patch: {text}", err=True))
+
+
+def show(report, as_json: bool, text, document) -> int:
+    """Every command's end: the report as text or as its --json document, then each error it
+    carries through :func:`handle` (the change it reports stands); the command returns the
+    report's exit code, which :class:`Group` exits with."""
+    emit(json.dumps(document(report), indent=2) if as_json else text(report))
+    ctx = click.get_current_context()
+    for error in report.errors:
+        error.invocation = invocation(ctx)
+        handle(error)
+    return int(report.exit_code)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -258,19 +277,10 @@ def status(python, source, jit_cache_base, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
-    from sm120patch import environment
+    request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
+    from sm120patch import pipeline, render
 
-    # The probe runs in the target interpreter while the patch data is read and the rest of
-    # sm120patch is imported: it needs only the distributions' names.
-    probe = None if source else environment.start_probe(python, [name for _, name in SELECTORS])
-    from sm120patch import distributions, pipeline, render
-
-    registry = distributions.load_registry(full=False)
-
-    report = pipeline.status(request_from(python=python, source=source, jit_cache_base=jit_cache_base, **selectors),
-                             registry, probe=probe)
-    emit(json.dumps(render.status_json(report), indent=2) if as_json else render.render_status(report))
-    sys.exit(int(report.exit_code))
+    return show(pipeline.status(request), as_json, render.render_status, render.status_json)
 
 
 @cli.command(short_help="Apply the patch set pinned to each installed release.",
@@ -301,14 +311,13 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
     the branch sm120patch/<dist>-<version>). Required patches always, opt-in ones with --with.
     One run is one transaction: everything or nothing. Re-applying changes nothing."""
     from sm120patch import pipeline, render
+    from sm120patch.progress import BuildProgress
 
     with BuildProgress(quiet=as_json) as progress:
         report = pipeline.apply(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
                                              wheel_dir=wheel_dir, with_ids=with_ids, force=force, dry_run=dry_run,
                                              build=build_, arch=arch, on_build_step=progress, **selectors))
-    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
-    if report.build_error is not None:
-        raise report.build_error
+    return show(report, as_json, render.render_change, render.change_json)
 
 
 @cli.command(short_help="Build trtllm_comm into the server's JIT cache, so its next start compiles nothing.",
@@ -328,43 +337,12 @@ def build(python, arch, jit_cache_base, as_json):
     FlashInfer sees (or FLASHINFER_CUDA_ARCH_LIST, or --arch), using every core. A fresh process
     then proves that FlashInfer will load it without compiling."""
     from sm120patch import pipeline, render
+    from sm120patch.progress import BuildProgress
 
     with BuildProgress(quiet=as_json) as progress:
         report = pipeline.build(request_from(python=python, jit_cache_base=jit_cache_base, arch=arch,
                                              on_build_step=progress))
-    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
-
-
-class BuildProgress:
-    """ninja's [n/m] steps as a progress bar with the elapsed time, on a terminal only."""
-
-    def __init__(self, *, quiet: bool) -> None:
-        self.enabled = not quiet and sys.stderr.isatty()
-        self.bar = None
-        self.done = 0
-
-    def __call__(self, line: str, step: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label="building trtllm_comm", file=sys.stderr, show_pos=True,
-                                         show_eta=True)
-            self.bar.__enter__()
-        self.bar.update(step - self.done)
-        self.done = step
-
-    def __enter__(self) -> BuildProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-
-def line_progress(*, quiet: bool = False):
-    """Progress lines on stderr, on a terminal only (None: say nothing)."""
-    return (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() and not quiet else None
+    return show(report, as_json, render.render_change, render.change_json)
 
 
 @cli.command(short_help="Restore the release's bytes of every patched file.",
@@ -392,12 +370,7 @@ def revert(python, source, force, jit_cache_base, wheel_dir, as_json, **selector
 
     report = pipeline.revert(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
                                           wheel_dir=wheel_dir, force=force, **selectors))
-    emit(json.dumps(render.change_json(report), indent=2) if as_json else render.render_change(report))
-    for left in report.left:
-        click.echo(f"sm120patch: error: {left.name} {left.version} was not reverted: {left.error.message}", err=True)
-        if left.error.hint:
-            click.echo(f"hint: {left.error.hint}", err=True)
-    sys.exit(int(report.exit_code))
+    return show(report, as_json, render.render_change, render.change_json)
 
 
 @cli.command(short_help="Print the unified diff apply would make.",
@@ -444,13 +417,11 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
     """Prove the patched state: manifest hashes and semantic checks always; with options, a
     runtime, a compile and a build check."""
     from sm120patch import pipeline, render, verify as checks
+    from sm120patch.progress import line_progress
 
-    request = request_from(python=python, jit_cache_base=jit_cache_base)
-    report = pipeline.status(request)
-    results = checks.run_verify(report, Path(report.target), runtime=runtime, compile_=compile_, build=build,
-                                progress=line_progress(quiet=as_json))
-    emit(json.dumps(render.verify_json(report, results), indent=2) if as_json else render.render_verify(report, results))
-    sys.exit(int(checks.verify_exit_code(results)))
+    report = checks.verify(pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)),
+                           runtime=runtime, compile_=compile_, build=build, progress=line_progress(quiet=as_json))
+    return show(report, as_json, render.render_verify, render.verify_json)
 
 
 @cli.command(short_help="Check the machine: GPUs, driver, toolkit, topology, the environment.",
@@ -462,12 +433,10 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
 def doctor(python, jit_cache_base, as_json):
     """GPUs and compute capability, driver and CUDA toolkit, PCIe-only topology, AOT shadowing,
     version pins, upstream fixes, whether SGLang turns fusion on by itself."""
-    from sm120patch import doctor as checks, pipeline
+    from sm120patch import doctor as checks, pipeline, render
 
-    result = checks.DoctorReport()
-    checks.examine_machine(result)
-    checks.examine_environment(result, pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)))
-    emit(json.dumps(checks.to_json(result), indent=2) if as_json else checks.render(result))
+    report = checks.doctor(lambda: pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)))
+    return show(report, as_json, render.render_doctor, render.doctor_json)
 
 
 @cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
@@ -499,7 +468,8 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
 
     Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
     builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""
-    from sm120patch import bench as bench_mod
+    from sm120patch import bench as bench_mod, render
+    from sm120patch.progress import BenchProgress
 
     request = bench_mod.BenchRequest(
         python=Path(python) if python else None, tp=tp,
@@ -508,41 +478,9 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
         dtype=dtype, strategy=strategy, check_only=check_only,
         jit_base=Path(jit_cache_base).expanduser() if jit_cache_base else None,
     )
-    progress = _BenchProgress() if sys.stderr.isatty() and not as_json else None
-    try:
-        result = bench_mod.bench(request, on_event=progress)
-    finally:
-        if progress:
-            progress.close()
-    emit(json.dumps(bench_mod.to_json(result), indent=2) if as_json else bench_mod.render(result))
-    failed = bench_mod.failure(result)
-    if failed:
-        raise failed
-
-
-class _BenchProgress:
-    """bench's progress on a terminal: what is being loaded, then a bar over the shapes."""
-
-    def __init__(self) -> None:
-        self.bar = None
-        self.done = 0
-
-    def __call__(self, event: dict) -> None:
-        if event.get("event") == "stage":
-            click.echo(f"sm120patch: {event['text']} ...", err=True)
-        elif event.get("event") == "cases":
-            self.bar = click.progressbar(length=event["total"], label="checking and timing", file=sys.stderr,
-                                         show_pos=True, item_show_func=lambda item: item)
-            self.bar.__enter__()
-        elif event.get("event") == "case" and self.bar is not None:
-            shape = f"tokens {event['tokens']}, hidden {event['hidden']}" if "tokens" in event else None
-            self.bar.update(event["index"] - self.done, current_item=shape)
-            self.done = event["index"]
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
+    with BenchProgress(quiet=as_json) as progress:
+        report = bench_mod.bench(request, on_event=progress if progress.enabled else None)
+    return show(report, as_json, render.render_bench, render.bench_json)
 
 
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
@@ -599,6 +537,7 @@ def manifest() -> None:
 def manifest_build(wheel_cache, out, check, names):
     """Download every pinned release's wheel and write (or compare) its manifest."""
     from sm120patch import manifests
+    from sm120patch.progress import line_progress
 
     result = manifests.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
                                  check=check, progress=line_progress(), names=names)
@@ -630,6 +569,7 @@ def manifest_add(distribution, version, wheel, newer, check, wheel_cache):
     printed: each rewriter's site count in this release, and what the nearest release has.
     """
     from sm120patch import releases
+    from sm120patch.progress import line_progress
     from sm120patch.render import render_addition
 
     if newer == bool(version):

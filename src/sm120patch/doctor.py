@@ -12,10 +12,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Callable
 
 from packaging.version import Version
 
 from sm120patch import driver
+from sm120patch.errors import ExitCode
 from sm120patch.reports import StatusReport
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -112,6 +114,9 @@ class DoctorReport:
     driver: driver.DriverFacts | None = None
     libcuda: object | None = None  # jitbuild.Libcuda: what FlashInfer's JIT link would take here
 
+    errors = ()  # the report says what it could not find
+    exit_code = ExitCode.OK  # the report was made
+
     def add(self, level: str, text: str) -> None:
         self.findings.append(Finding(level, text))
 
@@ -202,6 +207,14 @@ def examine_driver(report: DoctorReport, facts: driver.DriverFacts) -> None:
         report.add("ok", f"peer-to-peer access between every pair of the {len(facts.devices)} GPUs")
 
 
+def doctor(status: Callable[[], StatusReport]) -> DoctorReport:
+    """``sm120patch doctor``: the machine first, then the environment (``status``) as it bears on it."""
+    report = DoctorReport()
+    examine_machine(report)
+    examine_environment(report, status())
+    return report
+
+
 def examine_environment(report: DoctorReport, status: StatusReport) -> None:
     for item in status.trees:
         a, distribution = item.assessment, item.distribution
@@ -227,32 +240,3 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
         report.add("info", f"none of {', '.join(status.registry_names)} is installed in this environment")
     for shadow in status.aot:
         report.add("warn", f"prebuilt {shadow.path} ({shadow.source}) shadows the patched sources: uninstall flashinfer-jit-cache or remove it")
-
-
-def render(report: DoctorReport) -> str:
-    marks = {"ok": "ok  ", "info": "info", "warn": "WARN"}
-    return "\n".join(f"{marks[f.level]}  {f.text}" for f in report.findings)
-
-
-def to_json(report: DoctorReport) -> dict:
-    facts = report.driver
-    return {
-        "gpus": [g.__dict__ for g in report.gpus],
-        "driver": None if facts is None else {
-            "error": facts.error,
-            "version": facts.version_text,
-            "devices": [{"index": d.index, "name": d.name, "capability": d.sm, "multicast": d.multicast,
-                         "posix_fd_handles": d.posix_fd_handles, "fabric_handles": d.fabric_handles}
-                        for d in facts.devices],
-            "peer_access": {f"{i}-{j}": ok for (i, j), ok in facts.peer_access.items()},
-        },
-        "libcuda": None if report.libcuda is None else {
-            "kind": report.libcuda.kind, "path": str(report.libcuda.path) if report.libcuda.path else None,
-            "cuda_home": str(report.libcuda.cuda_home)},
-        "topology": None if report.topology is None else {
-            "gpus": report.topology.gpus,
-            "pcie_only": report.topology.pcie_only,
-            "links": {f"{a}-{b}": link for (a, b), link in report.topology.links.items()},
-        },
-        "findings": [f.__dict__ for f in report.findings],
-    }

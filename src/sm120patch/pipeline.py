@@ -22,7 +22,7 @@ from packaging.version import InvalidVersion, Version
 from sm120patch import jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning
 from sm120patch.distributions import ANY, Registry, load_registry
-from sm120patch.environment import Environment, start_probe
+from sm120patch.environment import Environment, Probe, start_probe
 from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
 from sm120patch.fusionpath import judge
 from sm120patch.invocation import command
@@ -48,6 +48,7 @@ class Request(NamedTuple):
     build: bool = False  # apply --build: warm FlashInfer's JIT cache after the change
     arch: str | None = None  # --arch: FLASHINFER_CUDA_ARCH_LIST for the build
     on_build_step: Callable[[str, int, int], None] | None = None
+    probe: Probe | None = None  # the target's probe, started before the rest of sm120patch was imported
 
 
 def normalize_selector(option: str, value: str) -> str:
@@ -97,7 +98,7 @@ class Located:
         return command(words, *self.options)
 
 
-def locate(request: Request, registry: Registry, *, probe=None) -> Located:
+def locate(request: Request, registry: Registry) -> Located:
     """The trees to act on: a checkout (``--source``), or the selected distributions of the
     target environment (an editable install is its checkout)."""
     named = {registry.get(name).name: version for name, version in request.selectors.items()}
@@ -109,7 +110,7 @@ def locate(request: Request, registry: Registry, *, probe=None) -> Located:
                              f"{registry.get(other[0]).selector} does not apply to it")
         _check_version(tree, named.get(tree.distribution.name, ANY), request)
         return Located(None, [tree], checkouts=[tree])
-    env = (probe or start_probe(request.python, registry.names)).result(registry.wanted_rows)
+    env = (request.probe or start_probe(request.python, registry.names)).result(registry.wanted_rows)
     located = Located(env, jit_base=request.jit_base)
     for distribution in registry:
         if named and distribution.name not in named:
@@ -173,11 +174,9 @@ def _hold(located: Located, request: Request) -> ExitStack:
 
 # -- status ----------------------------------------------------------------------------------------
 
-def status(request: Request, registry: Registry | None = None, *, probe=None) -> StatusReport:
-    """``probe``: the target probe already started (by the CLI, before the rest of sm120patch
-    is imported, so that the two overlap: status stays fast)."""
+def status(request: Request, registry: Registry | None = None) -> StatusReport:
     registry = registry or load_registry(full=False)
-    located = locate(request, registry, probe=probe)
+    located = locate(request, registry)
     trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:

@@ -3,8 +3,16 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sm120patch.assess import Origin, State, Verdict
+from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
+
+if TYPE_CHECKING:  # each command's own module is imported by that command
+    from sm120patch.bench import BenchReport
+    from sm120patch.doctor import DoctorReport
+    from sm120patch.verify import VerifyReport
 
 AOT_HINT = (
     "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
@@ -428,10 +436,8 @@ def list_json(registry, installed: dict | None = None) -> dict:
 
 # -- verify ----------------------------------------------------------------------------------------
 
-def render_verify(report: StatusReport, results) -> str:
-    from sm120patch.errors import ExitCode
-    from sm120patch.verify import verify_exit_code
-
+def render_verify(verified: VerifyReport) -> str:
+    report, results = verified.status, verified.results
     lines = [f"Python {report.target} ({report.python_version})"]
     if not results:
         lines.append("  nothing to verify: none of the distributions sm120patch patches is installed here; --python names "
@@ -439,7 +445,7 @@ def render_verify(report: StatusReport, results) -> str:
     for r in results:
         mark = {True: "PASS", False: "FAIL", None: "SKIP" if not r.required else "NOT RUN"}[r.ok]
         lines.append(f"{mark:<4}  {r.kind:<8} {r.subject}: {r.detail}")
-    code = verify_exit_code(results)
+    code = verified.exit_code
     failed = sum(1 for r in results if r.ok is False)
     not_run = sum(1 for r in results if r.ok is None and r.required)
     counts = [f"{failed} check(s) failed"] * bool(failed) + [f"{not_run} check(s) you asked for could not run"] * bool(not_run)
@@ -447,13 +453,11 @@ def render_verify(report: StatusReport, results) -> str:
     return "\n".join(lines)
 
 
-def verify_json(report: StatusReport, results) -> dict:
-    from sm120patch.errors import ExitCode
-    from sm120patch.verify import verify_exit_code
-
+def verify_json(verified: VerifyReport) -> dict:
+    report, results = verified.status, verified.results
     return {
         "target": report.target,
-        "verified": verify_exit_code(results) is ExitCode.OK,
+        "verified": verified.exit_code is ExitCode.OK,
         "checks": [{"kind": r.kind, "subject": r.subject, "ok": r.ok, "ran": r.ok is not None,
                     "required": r.required, "detail": r.detail} for r in results],
     }
@@ -493,3 +497,124 @@ def render_addition(result, *, check: bool) -> str:
                     lines.append(f"    {relpath}: {same} {result.distribution} {result.previous}, where every "
                                  "rewriter finds its pinned count")
     return "\n".join(lines)
+
+
+# -- doctor ---------------------------------------------------------------------------------------
+
+def render_doctor(report: DoctorReport) -> str:
+    marks = {"ok": "ok  ", "info": "info", "warn": "WARN"}
+    return "\n".join(f"{marks[f.level]}  {f.text}" for f in report.findings)
+
+
+def doctor_json(report: DoctorReport) -> dict:
+    facts = report.driver
+    return {
+        "gpus": [g.__dict__ for g in report.gpus],
+        "driver": None if facts is None else {
+            "error": facts.error,
+            "version": facts.version_text,
+            "devices": [{"index": d.index, "name": d.name, "capability": d.sm, "multicast": d.multicast,
+                         "posix_fd_handles": d.posix_fd_handles, "fabric_handles": d.fabric_handles}
+                        for d in facts.devices],
+            "peer_access": {f"{i}-{j}": ok for (i, j), ok in facts.peer_access.items()},
+        },
+        "libcuda": None if report.libcuda is None else {
+            "kind": report.libcuda.kind, "path": str(report.libcuda.path) if report.libcuda.path else None,
+            "cuda_home": str(report.libcuda.cuda_home)},
+        "topology": None if report.topology is None else {
+            "gpus": report.topology.gpus,
+            "pcie_only": report.topology.pcie_only,
+            "links": {f"{a}-{b}": link for (a, b), link in report.topology.links.items()},
+        },
+        "findings": [f.__dict__ for f in report.findings],
+    }
+
+
+# -- bench ----------------------------------------------------------------------------------------
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value >= 10 or value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+
+def render_bench(report: BenchReport) -> str:
+    meta = report.meta
+    lines = [
+        f"{report.request.kernels} {meta.get('flashinfer')} · torch {meta.get('torch')} (CUDA {meta.get('cuda')}) · "
+        f"{report.world_size} × {meta.get('device')} (compute capability {meta.get('capability')}) · {report.request.dtype}",
+        f"check: fused allreduce + residual + RMSNorm vs NCCL allreduce + float32 RMSNorm, "
+        f"|err| <= {report.atol:g} + {report.rtol:g}·|ref| (norm and residual outputs, every rank)",
+    ]
+    for path in meta.get("server_paths", ()):
+        lines.append(f"server path: {path['server']}: " + _server_path_text(path))
+    timed = report.timed
+    for series in report.series():
+        lines.append("")
+        lines.append(f"hidden {series.hidden}, {series.strategy}")
+        header = f"  {'tokens':>6}  {'size':>8}  {'path':<8}  {'check':<5}  {'max err':>8}"
+        if timed:
+            header += f"  {'fused µs':>9}  {'NCCL+norm µs':>12}  {'speedup':>7}"
+        lines.append(header)
+        for c in series.cases:
+            row = (f"  {c.tokens:>6}  {_size(c.bytes):>8}  {c.effective_strategy:<8}  {'ok' if c.ok else 'FAIL':<5}"
+                   f"  {max(c.max_err_norm, c.max_err_residual):>8.4g}")
+            if timed and c.fused_us is not None:
+                row += f"  {c.fused_us:>9.1f}  {c.unfused_us:>12.1f}  {c.speedup:>6.2f}×"
+            lines.append(row + ("" if c.ranks_agree else "  ranks disagree"))
+        if timed:
+            win, loss = series.wins_up_to, series.first_loss
+            if win is None:
+                lines.append("  crossover: unfused is faster from the smallest size")
+            elif loss is None:
+                lines.append(f"  crossover: none measured; fused is faster up to {_tokens(win.tokens, 'token')} ({_size(win.bytes)})")
+            else:
+                lines.append(f"  crossover: fused is faster up to {_tokens(win.tokens, 'token')} ({_size(win.bytes)}), "
+                             f"slower from {_tokens(loss.tokens, 'token')} ({_size(loss.bytes)})")
+    graphs = [c.graphs for c in report.cases if c.graphs is not None]
+    if graphs:
+        lines.append("")
+        lines.append("timing: median of CUDA-graph replays" if all(graphs) else
+                     "timing: median of eager launches (some calls could not be captured in a CUDA graph)")
+    recommendation = report.recommendation()
+    if recommendation:
+        lines.append("")
+        lines.append("Recommendation for this machine (unfused = NCCL; SGLang's own custom allreduce can beat NCCL "
+                     "on small messages, so treat a narrow fused win as a tie):")
+        lines.append(f"  SGLang: {recommendation.sglang_text}")
+        lines.append(f"  vLLM:   {recommendation.vllm_text}")
+    if report.advice:
+        lines.append("")
+        lines.append("When you run the server:")
+        lines.extend(f"  {'!' if level == 'warn' else 'note:'} {text}" for _, level, text in report.advice)
+    return "\n".join(lines)
+
+
+def _server_path_text(path: dict) -> str:
+    made = ("FlashInfer's unified workspace created as the server creates it" if path["workspace"] == "unified"
+            else "the legacy call (trtllm_create_ipc_workspace_for_all_reduce_fusion), the one bench itself makes")
+    return made + (f"; its own preflight: {path['preflight']}" if path.get("preflight") else "")
+
+
+def bench_json(report: BenchReport) -> dict:
+    recommendation = report.recommendation()
+    return {
+        "python": str(report.request.python),
+        "world_size": report.world_size,
+        "dtype": report.request.dtype,
+        **{k: report.meta.get(k) for k in ("flashinfer", "torch", "cuda", "nccl", "device", "capability")},
+        "tolerance": {"atol": report.atol, "rtol": report.rtol},
+        "server_paths": report.meta.get("server_paths", []),
+        "ok": not report.failed,
+        "cases": [dict(c.__dict__, speedup=c.speedup) for c in report.cases],
+        "advice": [{"distribution": name, "level": level, "text": text} for name, level, text in report.advice],
+        "recommendation": None if recommendation is None else {
+            "sglang_enable_fusion": recommendation.sglang,
+            "sglang": recommendation.sglang_text,
+            "vllm_fi_allreduce_fusion_max_size_mb": recommendation.vllm_max_size_mb,
+            "vllm": recommendation.vllm_text,
+        },
+    }

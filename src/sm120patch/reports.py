@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 from sm120patch import jitcache
 from sm120patch.assess import Assessment, status_exit_code
 from sm120patch.distributions import Advice, Distribution
-from sm120patch.errors import ExitCode, Sm120PatchError
+from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError
 from sm120patch.fusionpath import FusionVerdict
 from sm120patch.state import Orphan
 
@@ -70,6 +70,8 @@ class StatusReport(NamedTuple):
     orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
     temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
 
+    errors = ()  # every finding is in the report
+
     @property
     def exit_code(self) -> ExitCode:
         return status_exit_code([t.assessment.verdict for t in self.trees],
@@ -124,7 +126,16 @@ class ChangeReport:
     build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
 
     @property
+    def errors(self) -> list[Sm120PatchError]:
+        """What failed after the report's changes were made (those stand): each is printed as an error."""
+        left = [RefusedError(f"{x.name} {x.version} was not reverted: {x.error.message}", hint=x.error.hint)
+                for x in self.left]
+        return left + ([self.build_error] if self.build_error is not None else [])
+
+    @property
     def exit_code(self) -> ExitCode:
+        if self.build_error is not None:
+            return self.build_error.exit_code
         return ExitCode.REFUSED if self.left else ExitCode.OK
 
     @property

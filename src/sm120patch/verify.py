@@ -220,6 +220,24 @@ print(json.dumps(out))
     return [CheckResult("build", subject, False, f"{out.get('error')} after {elapsed:.0f} s ({objects} of {sources} objects)")]
 
 
+@dataclass(frozen=True)
+class VerifyReport:
+    status: StatusReport
+    results: list[CheckResult]
+    errors = ()  # every failed check is a row of the report
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return verify_exit_code(self.results)
+
+
+def verify(status: StatusReport, *, runtime: bool, compile_: bool, build: bool,
+           progress: Callable[[str], None] | None = None) -> VerifyReport:
+    """``sm120patch verify``: the checks asked for, in the status report's interpreter."""
+    return VerifyReport(status, run_verify(status, Path(status.target), runtime=runtime, compile_=compile_, build=build,
+                                           progress=progress))
+
+
 def run_verify(report: StatusReport, python: Path, *, runtime: bool, compile_: bool, build: bool,
                progress: Callable[[str], None] | None = None) -> list[CheckResult]:
     """The checks asked for, over every distribution of the status report."""
