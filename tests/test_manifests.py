@@ -69,18 +69,18 @@ def test_every_pinned_release_has_a_manifest_for_every_file():
 
 
 def test_manifest_build_check_through_the_cli(wheel_cache, tmp_path):
-    """`sm120patch manifest build --check` over every pinned release: exit 0, one `ok` line
-    each, nothing written; a changed manifest is found and exit 1."""
+    """`sm120patch manifest build --check` over every pinned release of a distribution: exit 0,
+    one `ok` line each; an unknown distribution is bad input; written elsewhere, the same bytes."""
     from helpers import run_cli
 
-    # vLLM's 34 wheels (~13 GB) are left to `make check-manifests`; CI checks one (below).
-    small = ("--distribution", "flashinfer-python", "--distribution", "sglang")
-    ok = run_cli("manifest", "build", "--check", "--wheel-cache", str(wheel_cache), *small)
+    # One distribution's 40 releases: every other release's manifest is checked against its
+    # wheel by test_matrix.py's test_every_release_takes_its_set_by_meaning; `make
+    # check-manifests` runs the command over all of them (vLLM's 34 wheels are ~13 GB).
+    ok = run_cli("manifest", "build", "--check", "--wheel-cache", str(wheel_cache), "--distribution", "flashinfer-python")
     assert ok.exit_code == 0, ok.output
     lines = ok.output.splitlines()
     registry = load_registry()
-    assert len(lines) == sum(len(ps.versions) for name in ("flashinfer-python", "sglang")
-                             for ps in registry.get(name).patch_sets)
+    assert len(lines) == sum(len(ps.versions) for ps in registry.get("flashinfer-python").patch_sets)
     assert all(line.startswith("ok") for line in lines)
     unknown = run_cli("manifest", "build", "--check", "--distribution", "vllm-nightly")
     assert unknown.exit_code == 2 and "not a distribution sm120patch knows" in unknown.output
