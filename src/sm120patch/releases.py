@@ -117,7 +117,7 @@ def with_versions(text: str, versions: Sequence[Version], where: str) -> str:
 
 
 def _atomic_write(path: Path, data: str) -> None:
-    from sm120patch.transaction import atomic_write
+    from sm120patch.fileops import atomic_write
 
     atomic_write(path, data.encode("utf-8"))
 
