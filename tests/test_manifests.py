@@ -9,7 +9,8 @@ import pytest
 from packaging.version import Version
 
 from sm120patch.errors import PatchDataError
-from sm120patch.manifests import build_manifest, load_manifest, manifest_path, render
+from sm120patch.manifests import build_manifest, load_manifest, manifest_path
+from sm120patch.manifests import manifest_text as render
 from sm120patch.distributions import load_registry
 from sm120patch.wheels import fetch_wheel
 

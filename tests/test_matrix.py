@@ -14,7 +14,7 @@ from packaging.version import Version
 from helpers import ServingEnv, Session, make_venv
 from sm120patch.errors import ExitCode
 from sm120patch.distributions import load_registry
-from sm120patch.manifests import apply_edits
+from sm120patch.rewriters import apply_edits
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
 

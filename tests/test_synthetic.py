@@ -20,7 +20,8 @@ from sm120patch import pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
-from sm120patch.manifests import build_manifest, render
+from sm120patch.manifests import build_manifest
+from sm120patch.manifests import manifest_text as render
 
 SOURCE = '''\
 def gen_trtllm_comm_module():

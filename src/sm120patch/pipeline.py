@@ -191,13 +191,13 @@ def release_bytes(tree, request: Request, *, download: bool) -> ReleaseBytes | N
         data = state.saved_original(relpath, expected)
         if data is not None:
             return data, "saved original"
-        from sm120patch import manifests, wheels
+        from sm120patch import wheels
 
         wheel = wheels.find_wheel(tree.dist.name, tree.raw_version, request.wheel_dir, download=download)
         if wheel is None:
             return None
         try:
-            data, listed = manifests.wheel_file(wheel, relpath)
+            data, listed = wheels.wheel_file(wheel, relpath)
         except Sm120PatchError:
             return None
         return (data, f"release wheel {wheel.name}") if sha256(data) == expected == listed else None
