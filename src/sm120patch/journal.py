@@ -1,5 +1,5 @@
-"""The journal: a transaction's write-ahead record, one versioned type, written and read only
-here.
+"""The journal: a transaction's write-ahead record, one versioned type whose bytes are made and
+read back only here (the transaction writes them, atomically, before its first change).
 
     <state root>/journal.json    {"format", "operation", "run", "pid", "started", "roots",
                                   "entries": [{"op", "path", "label", "before", "after",
@@ -59,6 +59,7 @@ def _dump(document: dict) -> bytes:
 
 
 def journal_at(site_dir: Path) -> Path:
+    """The journal's path for the install location ``site_dir``."""
     return journal_in(state_root(site_dir))
 
 
