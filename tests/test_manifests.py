@@ -9,7 +9,8 @@ import pytest
 from packaging.version import Version
 
 from sm120patch.errors import PatchDataError
-from sm120patch.manifests import build_manifest, load_manifest, manifest_path, render
+from sm120patch.manifests import build_manifest, load_manifest, manifest_path
+from sm120patch.manifests import manifest_text
 from sm120patch.distributions import load_registry
 from sm120patch.wheels import fetch_wheel
 
@@ -22,7 +23,7 @@ from sm120patch.wheels import fetch_wheel
 def test_rebuilt_manifest_is_byte_identical(request, name, version, wheel_fixture):
     wheel = request.getfixturevalue(wheel_fixture) if wheel_fixture else fetch_wheel(name, version)
     patch_set = load_registry().get(name).find(Version(version))
-    assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
+    assert manifest_text(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
 
 
 def test_manifest_lists_pristine_and_patched_hashes():
@@ -57,7 +58,7 @@ def test_a_sample_rebuilt_from_freshly_downloaded_wheels_is_byte_identical(tmp_p
     """Not from the shared cache: a new download from the package index."""
     wheel = fetch_wheel(name, version, tmp_path)
     patch_set = load_registry().get(name).find(Version(version))
-    assert render(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
+    assert manifest_text(build_manifest(wheel, patch_set)) == manifest_path(name, version).read_text()
 
 
 def test_every_pinned_release_has_a_manifest_for_every_file():

@@ -21,7 +21,7 @@ from sm120patch import pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
-from sm120patch.manifests import build_manifest, render
+from sm120patch.manifests import build_manifest, manifest_text
 from sm120patch.render import render_change, render_status
 
 SOURCE = '''\
@@ -96,7 +96,7 @@ def data_dir(tmp_path_factory) -> Path:
         patch_set = registry.get("toyfuse").find(__import__("packaging.version").version.Version(version))
         out = data / "vendor-manifests" / "toyfuse" / f"{version}.json"
         out.parent.mkdir(exist_ok=True)
-        out.write_text(render(build_manifest(wheel, patch_set)))
+        out.write_text(manifest_text(build_manifest(wheel, patch_set)))
     return data
 
 

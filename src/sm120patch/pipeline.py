@@ -27,11 +27,10 @@ from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError, UsageErro
 from sm120patch.fusionpath import FusionVerdict, judge
 from sm120patch.hashing import sha256
 from sm120patch.invocation import command
+from sm120patch.journal import journal_at, read_journal
+from sm120patch.locks import LOCK_TIMEOUT_S, flock, install_locks, someone_holds
 from sm120patch.state import Orphan, Owner, orphans, state_root, temporaries
-from sm120patch.transaction import (
-    LOCK_TIMEOUT_S, Change, Recovery, Transaction, flock, install_locks, journal_at, read_journal, recover,
-    someone_holds,
-)
+from sm120patch.transaction import Change, Recovery, Transaction, recover
 from sm120patch.trees import CheckoutTree, InstalledTree, open_checkout
 
 if TYPE_CHECKING:  # planning and git commits are imported by the commands that change things, not by status
@@ -192,13 +191,13 @@ def release_bytes(tree, request: Request, *, download: bool) -> ReleaseBytes | N
         data = state.saved_original(relpath, expected)
         if data is not None:
             return data, "saved original"
-        from sm120patch import manifests, wheels
+        from sm120patch import wheels
 
         wheel = wheels.find_wheel(tree.dist.name, tree.raw_version, request.wheel_dir, download=download)
         if wheel is None:
             return None
         try:
-            data, listed = manifests.wheel_file(wheel, relpath)
+            data, listed = wheels.wheel_file(wheel, relpath)
         except Sm120PatchError:
             return None
         return (data, f"release wheel {wheel.name}") if sha256(data) == expected == listed else None
@@ -322,9 +321,8 @@ def _pending(tree: InstalledTree, pending: str | None, blocks: bool, revert_comm
         return exc.message, True  # in its own words: unreadable, or not even readable by this user
     if journal is None:
         return pending, blocks
-    if someone_holds(site_dir):
-        return f"another sm120patch (pid {journal.get('pid')}) is running {journal['operation']} here right now", False
-    return f"an interrupted {journal['operation']} (started {journal.get('started', '?')})", True
+    running = someone_holds(site_dir)
+    return journal.describe(running=running), not running
 
 
 def _fusion_with(located: Located, tree):
@@ -569,16 +567,16 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     entries it had moved aside (they carry its run id)."""
     import shutil
 
-    from sm120patch.transaction import leftover_runs, prune
+    from sm120patch.fileops import prune
+    from sm120patch.journal import leftover_runs
 
     runs = {run for tree in located.installed for run in leftover_runs(tree.dist.site_dir)}
     for tree in located.installed:  # temporaries and empty directories a killed run left
-        root = state_root(tree.dist.site_dir)
-        if not (root / "journal.json").exists():
+        if not journal_at(tree.dist.site_dir).exists():
             for temporary in temporaries(tree.dist.site_dir):
                 temporary.unlink(missing_ok=True)
                 report.leftovers_removed.append(temporary)
-            prune(root)
+            prune(state_root(tree.dist.site_dir))
     if not runs:
         return
     ids = {run.name for run in runs}
@@ -601,7 +599,7 @@ def _refuse_pending(located: Located) -> None:
     for tree in located.installed:
         journal = read_journal(journal_at(tree.dist.site_dir), revert_command=located.command("revert --force"))
         if journal is not None:
-            raise RefusedError(f"an interrupted {journal['operation']} is pending in {tree.dist.site_dir}; "
+            raise RefusedError(f"an interrupted {journal.operation} is pending in {tree.dist.site_dir}; "
                                "a dry run would describe a half-changed environment",
                                hint=f"`{located.command('apply')}` rolls it back first")
 
