@@ -31,10 +31,10 @@ def fusion_predicate_names(communicator_py: str) -> set[str]:
     raise AssertionError("no apply_flashinfer_allreduce_fusion")
 
 
-def test_status_on_a_fresh_install_says_not_patched(sm120patch, serving_env):
-    before = snapshot(serving_env)
-    result = sm120patch("status")
-    assert snapshot(serving_env) == before  # status changes nothing
+def test_status_on_a_fresh_install_says_not_patched(read_only_cli, read_only_env):
+    before = snapshot(read_only_env)
+    result = read_only_cli("status")
+    assert snapshot(read_only_env) == before  # status changes nothing
     assert result.exit_code == ExitCode.NOT_OK
     assert "flashinfer-python 0.6.4: not patched" in result.output
     assert "sglang 0.5.9: not patched" in result.output
