@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, make_venv, need
+from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, fingerprint, make_venv, need
 from sm120patch.wheels import default_cache, fetch_wheel
 
 # Resolved once, from the real environment, before any test moves HOME.
@@ -75,6 +75,25 @@ def sm120patch(serving_env) -> Session:
     return Session(serving_env)
 
 
+@pytest.fixture(scope="session")
+def _read_only_env(pristine_template, tmp_path_factory) -> ServingEnv:
+    return ServingEnv(pristine_template, tmp_path_factory.mktemp("read-only-home"))
+
+
+@pytest.fixture
+def read_only_env(_read_only_env) -> ServingEnv:
+    """The real-wheel environment made once per run, for tests that only read it (no copy): a
+    test that changes anything in it or in its JIT cache base fails."""
+    before = fingerprint(_read_only_env)
+    yield _read_only_env
+    assert fingerprint(_read_only_env) == before, "a test that only reads the shared environment changed it"
+
+
+@pytest.fixture
+def read_only_cli(read_only_env) -> Session:
+    return Session(read_only_env)
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path_factory):
     monkeypatch.delenv("SM120PATCH_STATE_DIR", raising=False)
@@ -108,14 +127,20 @@ def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
 # Tests that need the real upstream wheels (or torch, or a download): `make check` leaves
 # them out and runs the rest in well under a minute; `make test` runs everything.
 WHEEL_FIXTURES = {"flashinfer_wheel", "sglang_wheel", "wheel_cache", "pristine_template", "serving_env", "sm120patch",
-                  "runtime_env", "sandboxes"}
+                  "read_only_env", "read_only_cli", "runtime_env", "sandboxes"}
 NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if WHEEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in NEEDS_WHEELS:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if WHEEL_FIXTURES & fixtures or item.path.name in NEEDS_WHEELS:
             item.add_marker(pytest.mark.wheels)
+        if "runtime_env" in fixtures:
+            # One runtime environment (over a gigabyte, torch in it) per run, its tests in the
+            # order they have in one process: with pytest-xdist (`make test` runs -n auto
+            # --dist loadgroup) they all go to one worker.
+            item.add_marker(pytest.mark.xdist_group("runtime"))
 
 
 @pytest.fixture

@@ -154,6 +154,18 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
     return found
 
 
+def fingerprint(env: ServingEnv) -> dict[str, tuple]:
+    """What any write changes (inode, mode, size, modification time) for every path of ``env``
+    and its JIT cache base, without reading the files: cheap enough to take around every test."""
+    found = {}
+    for base in (env.root, env.home):
+        for path in [base, *base.rglob("*")]:
+            if "__pycache__" not in path.parts:
+                info = path.lstat()
+                found[str(path)] = (info.st_ino, info.st_mode, info.st_size, info.st_mtime_ns)
+    return found
+
+
 def changed(before: dict, after: dict) -> list[str]:
     """The paths that differ between two snapshots (for assertion messages)."""
     return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))

@@ -110,8 +110,8 @@ def test_unpatched_flashinfer_on_sm120_is_refused_with_the_apply_command():
     assert bench.preflight(request(), target(), flashinfer_verdict="not patched") == 2
 
 
-def test_a_target_without_torch(sm120patch):
-    result = sm120patch("bench")
+def test_a_target_without_torch(read_only_cli):
+    result = read_only_cli("bench")
     assert result.exit_code == ExitCode.USAGE
     one_line(result, "torch is not importable in")
 

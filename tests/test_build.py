@@ -27,15 +27,15 @@ def test_a_bad_arch_list_is_a_usage_error(text):
         parse_arch(text)
 
 
-def test_build_refuses_unpatched_sources_and_changes_nothing(sm120patch, serving_env):
-    before = snapshot(serving_env)
-    result = sm120patch("build")
+def test_build_refuses_unpatched_sources_and_changes_nothing(read_only_cli, read_only_env):
+    before = snapshot(read_only_env)
+    result = read_only_cli("build")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "flashinfer-python 0.6.4 is not patched")
     # The hint names this target and the cache base given, so it works when copied as printed.
-    assert (f"hint: run `sm120patch apply --build --python {serving_env.python} --jit-cache-base {serving_env.home}`"
+    assert (f"hint: run `sm120patch apply --build --python {read_only_env.python} --jit-cache-base {read_only_env.home}`"
             in result.output)
-    assert changed(before, snapshot(serving_env)) == []
+    assert changed(before, snapshot(read_only_env)) == []
 
 
 def test_dry_run_never_builds(sm120patch, serving_env):

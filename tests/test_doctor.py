@@ -86,9 +86,9 @@ esac
     return install
 
 
-def test_doctor_on_the_h200_outputs(sm120patch, fake_nvidia_smi):
+def test_doctor_on_the_h200_outputs(read_only_cli, fake_nvidia_smi):
     fake_nvidia_smi("h200-query.csv", "h200-topo.txt")
-    result = sm120patch("doctor")
+    result = read_only_cli("doctor")
     assert result.exit_code == 0, result.output
     assert "GPU0: NVIDIA H200, compute capability 9.0" in result.output
     assert "SM90/SM100: upstream FlashInfer supports it without patches" in result.output
@@ -97,9 +97,9 @@ def test_doctor_on_the_h200_outputs(sm120patch, fake_nvidia_smi):
     assert "flashinfer-python 0.6.4: not patched" in result.output
 
 
-def test_doctor_on_a_pcie_sm120_box_warns_to_benchmark(sm120patch, fake_nvidia_smi):
+def test_doctor_on_a_pcie_sm120_box_warns_to_benchmark(read_only_cli, fake_nvidia_smi):
     fake_nvidia_smi("sm120x4-query.csv", "sm120x4-topo.txt")
-    result = sm120patch("doctor")
+    result = read_only_cli("doctor")
     assert result.exit_code == 0, result.output
     assert result.output.count("compute capability 12.0") == 4
     assert "WARN  GPUs talk over PCIe only (no NVLink)" in result.output
@@ -118,11 +118,11 @@ def test_doctor_without_nvidia_smi_still_reports_the_rest(sm120patch, monkeypatc
     assert "sglang 0.5.9 pins flashinfer-python==0.6.3; 0.6.4 is installed" in result.output
 
 
-def test_doctor_json_is_one_document(sm120patch, fake_nvidia_smi):
+def test_doctor_json_is_one_document(read_only_cli, fake_nvidia_smi):
     import json
 
     fake_nvidia_smi("sm120x4-query.csv", "sm120x4-topo.txt")
-    result = sm120patch("doctor", "--json")
+    result = read_only_cli("doctor", "--json")
     assert result.exit_code == 0
     document = json.loads(result.output)
     text = json.dumps(document)

@@ -31,10 +31,10 @@ def fusion_predicate_names(communicator_py: str) -> set[str]:
     raise AssertionError("no apply_flashinfer_allreduce_fusion")
 
 
-def test_status_on_a_fresh_install_says_not_patched(sm120patch, serving_env):
-    before = snapshot(serving_env)
-    result = sm120patch("status")
-    assert snapshot(serving_env) == before  # status changes nothing
+def test_status_on_a_fresh_install_says_not_patched(read_only_cli, read_only_env):
+    before = snapshot(read_only_env)
+    result = read_only_cli("status")
+    assert snapshot(read_only_env) == before  # status changes nothing
     assert result.exit_code == ExitCode.NOT_OK
     assert "flashinfer-python 0.6.4: not patched" in result.output
     assert "sglang 0.5.9: not patched" in result.output
@@ -90,17 +90,6 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
     assert serving_env.record_mismatches() == []
     assert sm120patch("status").exit_code == ExitCode.NOT_OK
     assert snapshot(serving_env) == before  # byte-identical, and no state left behind
-
-
-def test_second_apply_changes_nothing(sm120patch, serving_env):
-    assert sm120patch("apply").exit_code == 0
-    before = snapshot(serving_env)
-    mtimes = {p: serving_env.file(p).stat().st_mtime_ns for p in (*FLASHINFER_FILES, COMMUNICATOR)}
-    again = sm120patch("apply")
-    assert again.exit_code == 0
-    assert again.output.count("nothing to change (already patched)") == 2
-    assert snapshot(serving_env) == before
-    assert {p: serving_env.file(p).stat().st_mtime_ns for p in mtimes} == mtimes
 
 
 def test_dry_run_prints_a_diff_and_changes_nothing(sm120patch, serving_env):
@@ -166,33 +155,6 @@ def test_opt_in_patches_need_with(sm120patch, serving_env):
     assert serving_env.record_mismatches() == []
 
 
-def test_version_selector_must_match_the_installed_release(sm120patch, serving_env):
-    result = sm120patch("apply", "--flashinfer", "0.6.3")
-    assert result.exit_code == ExitCode.USAGE
-    assert "--flashinfer 0.6.3" in result.output and "flashinfer-python 0.6.4" in result.output
-    assert serving_env.record_mismatches() == []
-
-
-def test_hand_edited_file_is_refused_then_forced(sm120patch, serving_env):
-    path = serving_env.file(HEADER)
-    path.write_text(path.read_text().replace("(__CUDA_ARCH__ < 1200)", "(__CUDA_ARCH__ < 1300)", 1))
-    before = snapshot(serving_env)
-    refused = sm120patch("apply", "--flashinfer", "0.6.4")
-    assert refused.exit_code == ExitCode.REFUSED
-    assert "is not the 0.6.4 release's bytes" in refused.output
-    assert "--force" in refused.output
-    assert snapshot(serving_env) == before  # nothing was touched
-
-    status = sm120patch("status")
-    assert status.exit_code == ExitCode.REFUSED
-    assert "pdl-gates          drifted" in status.output
-
-    # The forced rewriter needs exactly 13 pristine sites; one is hand-edited: still refused.
-    forced = sm120patch("apply", "--flashinfer", "0.6.4", "--force")
-    assert forced.exit_code == ExitCode.REFUSED
-    assert "expected 13 site(s)" in forced.output
-
-
 def test_force_patches_a_drifted_file_by_meaning_and_revert_restores_its_bytes(sm120patch, serving_env):
     """A local change the rewriters can still read (a comment at the top of comm.py): refused,
     then patched by meaning with --force, shown as forced and unpinned, and revert puts back the
@@ -228,25 +190,6 @@ def test_status_reports_a_stale_entry(sm120patch, serving_env):
     assert again.exit_code == 0 and f"removed stale entry {entry}" in again.output and not entry.exists()
 
 
-def test_reinstall_that_dropped_the_patches_is_reported(sm120patch, serving_env, flashinfer_wheel):
-    import subprocess
-    import sys
-
-    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(serving_env.python), "install", "--quiet", "--no-deps",
-         "--force-reinstall", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)],
-        check=True,
-    )
-    status = sm120patch("status")
-    assert status.exit_code == ExitCode.NOT_OK
-    assert "jit-gate, pdl-gates, lamport-stride, unicast-workspace had been applied; the files are the release's again " \
-           "(the package was reinstalled)" in status.output
-    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
-    assert sm120patch("revert").exit_code == 0
-    assert serving_env.record_mismatches() == []
-
-
 def test_aot_module_that_shadows_the_patched_sources_is_reported(sm120patch, serving_env):
     aot = serving_env.file("flashinfer/data/aot/trtllm_comm/trtllm_comm.so")
     aot.parent.mkdir(parents=True)
@@ -273,27 +216,3 @@ def test_flashinfer_jit_cache_with_a_prebuilt_trtllm_comm_is_reported(sm120patch
     (shadow,) = json.loads(status.output)["aot_shadowing"]
     assert shadow["source"] == "flashinfer-jit-cache 0.6.4+cu130"
     assert shadow["path"].endswith("flashinfer_jit_cache/jit_cache/trtllm_comm/trtllm_comm.so")
-
-
-def test_revert_of_a_file_edited_after_patching_is_refused(sm120patch, serving_env):
-    assert sm120patch("apply", "--flashinfer", "0.6.4").exit_code == 0
-    path = serving_env.file(COMM)
-    path.write_text(path.read_text() + "\n# local tweak\n")
-    before = snapshot(serving_env)
-    result = sm120patch("revert")
-    assert result.exit_code == ExitCode.REFUSED
-    assert "+# local tweak" in result.output  # the drift is shown as a diff
-    assert "flashinfer-python 0.6.4 was not reverted" in result.output
-    assert snapshot(serving_env) == before  # refused: as it was
-    assert sm120patch("revert", "--force").exit_code == 0
-    assert serving_env.record_mismatches() == []
-    assert not serving_env.state_root.exists()
-
-
-def test_patched_file_keeps_its_mode(sm120patch, serving_env):
-    path = serving_env.file(COMM)
-    path.chmod(0o640)
-    assert sm120patch("apply").exit_code == 0
-    assert path.stat().st_mode & 0o777 == 0o640
-    assert sm120patch("revert").exit_code == 0
-    assert path.stat().st_mode & 0o777 == 0o640

@@ -47,21 +47,21 @@ def test_probe_reports_the_target_interpreter_and_its_distributions(serving_env)
     assert tree.state.root == serving_env.site_packages / ".sm120patch" / flashinfer.dist_info.name
 
 
-def test_a_distribution_asked_for_in_any_spelling_is_found_under_its_normalized_name(serving_env):
-    env = start_probe(serving_env.python, ["FlashInfer_Python", "SGLang"]).result()
+def test_a_distribution_asked_for_in_any_spelling_is_found_under_its_normalized_name(read_only_env):
+    env = start_probe(read_only_env.python, ["FlashInfer_Python", "SGLang"]).result()
     assert env.get("flashinfer-python").raw_version == "0.6.4" and env.get("sglang") is not None
 
 
-def test_a_relative_python_path_is_the_venv_not_its_base_interpreter(serving_env, monkeypatch):
-    monkeypatch.chdir(serving_env.root)
+def test_a_relative_python_path_is_the_venv_not_its_base_interpreter(read_only_env, monkeypatch):
+    monkeypatch.chdir(read_only_env.root)
     env = probe("bin/python")
-    assert env.prefix == serving_env.root
+    assert env.prefix == read_only_env.root
     assert env.get("flashinfer-python") is not None
 
 
-def test_a_bare_name_is_looked_up_on_path_like_a_shell_does(serving_env, monkeypatch):
-    monkeypatch.setenv("PATH", f"{serving_env.root / 'bin'}:/usr/bin:/bin")
-    assert resolve_python("python") == str(serving_env.root / "bin" / "python")
+def test_a_bare_name_is_looked_up_on_path_like_a_shell_does(read_only_env, monkeypatch):
+    monkeypatch.setenv("PATH", f"{read_only_env.root / 'bin'}:/usr/bin:/bin")
+    assert resolve_python("python") == str(read_only_env.root / "bin" / "python")
     with pytest.raises(TargetError, match="--python no-such-python: not found on PATH"):
         resolve_python("no-such-python")
 
@@ -106,9 +106,9 @@ def tree_of(serving_env) -> InstalledTree:
     return InstalledTree(env, env.get("flashinfer-python"), REGISTRY.get("flashinfer-python"))
 
 
-def test_reads_are_confined_to_record_listed_files(serving_env):
-    tree = tree_of(serving_env)
-    assert tree.read(COMM).data == serving_env.file(COMM).read_bytes()
+def test_reads_are_confined_to_record_listed_files(read_only_env):
+    tree = tree_of(read_only_env)
+    assert tree.read(COMM).data == read_only_env.file(COMM).read_bytes()
     assert "not listed in flashinfer-python's RECORD" in tree.read("flashinfer/not_in_record.py").problem
     assert "not a safe relative path" in tree.read("../../../etc/passwd").problem
 

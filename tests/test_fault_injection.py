@@ -45,6 +45,11 @@ class Sandbox:
 
     env: ServingEnv
     pristine: dict[str, bytes]
+    patched: dict[str, bytes] | None = None  # the files after this sandbox's own first apply
+
+    @property
+    def saved_state(self):
+        return self.env.root.parent / "patched-state"
 
     @property
     def journal(self):
@@ -55,12 +60,20 @@ class Sandbox:
                 "--jit-cache-base", str(self.env.home), *([] if command == "status" else SELECT)]
 
     def reset(self, *, patched: bool) -> None:
+        """Pristine, or patched as this sandbox's own apply left it: applied once, then its files
+        and its .sm120patch/ restored from that run's copy (the ledger names this sandbox's
+        paths, so each keeps its own)."""
         shutil.rmtree(self.env.state_root, ignore_errors=True)
         shutil.rmtree(self.env.home / ".cache", ignore_errors=True)
-        for relpath, data in self.pristine.items():
+        files = self.patched if patched and self.patched is not None else self.pristine
+        for relpath, data in files.items():
             self.env.file(relpath).write_bytes(data)
-        if patched:
+        if patched and self.patched is None:
             self.run("apply")
+            self.patched = {relpath: self.env.file(relpath).read_bytes() for relpath in FILES}
+            shutil.copytree(self.env.state_root, self.saved_state, symlinks=True)
+        elif patched:
+            shutil.copytree(self.saved_state, self.env.state_root, symlinks=True)
         self.env.seed_jit()  # entries as a server built them, from the sources as they are now
 
     def points(self, command: str) -> list[tuple[str, int, str]]:
@@ -185,6 +198,9 @@ def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, reco
     sandboxes[0].reset(patched=before)
     points = sandboxes[0].points(command)
     covers(points, command)
+    # A kill at an fsync leaves the files as a kill at the next point does (without a power
+    # loss an fsync changes nothing one can read): one run covers both.
+    points = [p for p in points if p[0] not in ("fsync", "fdatasync")]
     built_for = "patched" if before else "pristine"
 
     def kill_at(box: Sandbox, index: int, point) -> None:

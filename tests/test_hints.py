@@ -137,8 +137,8 @@ def test_the_diff_help_example_applies_the_diff_by_hand(serving_env, shell, tmp_
     assert "applied (by hand)" in status.output
 
 
-def test_bench_with_python_given_does_not_hint_to_pass_it(sm120patch):
-    result = sm120patch("bench")  # FlashInfer and SGLang, no torch
+def test_bench_with_python_given_does_not_hint_to_pass_it(read_only_cli):
+    result = read_only_cli("bench")  # FlashInfer and SGLang, no torch
     assert result.exit_code == ExitCode.USAGE  # bench --help: "2  the target cannot run it: no torch, ..."
     assert "torch is not importable" in result.output and "hint: pass --python" not in result.output
     assert "2   the target cannot run it: no torch" in run_cli("bench", "--help").output

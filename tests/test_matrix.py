@@ -14,7 +14,9 @@ from packaging.version import Version
 from helpers import ServingEnv, Session, make_venv
 from sm120patch.errors import ExitCode
 from sm120patch.distributions import load_registry
-from sm120patch.manifests import apply_edits
+from sm120patch.hashing import sha256
+from sm120patch.manifests import combination_key, load_manifest
+from sm120patch.rewriters import apply_edits
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
 
@@ -41,13 +43,18 @@ EVERY = [(ps.distribution, str(v)) for ps in REGISTRY.patch_sets for v in sorted
 @pytest.mark.parametrize("name, version", EVERY, ids=[f"{n}-{v}" for n, v in EVERY])
 def test_every_release_takes_its_set_by_meaning(wheel_cache, name, version):
     """The release's own files from its wheel, every patch of its set applied (opt-in ones too):
-    each patch's semantic check fails before and passes after, and what a patch uses, the
-    module binds."""
+    each patch's semantic check fails before and passes after, what a patch uses, the module
+    binds, and both the release's bytes and the fully patched ones are those its shipped
+    manifest vouches for (`make check-manifests` rebuilds every manifest through the CLI)."""
     patch_set = load_registry().get(name).find(Version(version))
+    manifest = load_manifest(name, version)
     with zipfile.ZipFile(fetch_wheel(name, version, wheel_cache)) as wheel:
         for relpath in patch_set.files:
             pristine = wheel.read(relpath)
             patched = apply_edits(pristine, patch_set.patches_for(relpath), where=f"{name} {version}")
+            hashes = manifest.files[relpath]
+            assert hashes.pristine == sha256(pristine), f"{relpath}: not the bytes the manifest names"
+            assert hashes.combination_of(sha256(patched)) == combination_key(patch_set.patches_for(relpath)), relpath
             for patch in patch_set.patches_for(relpath):
                 assert CHECKS[patch.check](pristine.decode())[0] is False, f"{patch.id} already in {relpath}"
                 ok, detail = CHECKS[patch.check](patched.decode())

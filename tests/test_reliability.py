@@ -185,7 +185,7 @@ def test_a_state_directory_its_owner_cannot_read_is_not_called_an_interrupted_ru
     state.mkdir()
     subprocess.run(["chown", "nobody", str(state)], check=True)
     state.chmod(0)
-    code = ("from pathlib import Path; from sm120patch.transaction import read_journal\n"
+    code = ("from pathlib import Path; from sm120patch.journal import read_journal\n"
             "from sm120patch.errors import Sm120PatchError\n"
             f"try:\n    read_journal(Path({str(state / 'journal.json')!r}))\n"
             "except Sm120PatchError as exc:\n    print(exc.message); print(exc.hint)\n")

@@ -6,6 +6,7 @@ install that is a bare venv's site-packages with a RECORD. `make check` runs the
 from __future__ import annotations
 
 import csv
+import re
 import io
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ from sm120patch import pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
-from sm120patch.manifests import build_manifest, render
+from sm120patch.manifests import build_manifest, manifest_text
+from sm120patch.render import render_change, render_status
 
 SOURCE = '''\
 def gen_trtllm_comm_module():
@@ -94,7 +96,7 @@ def data_dir(tmp_path_factory) -> Path:
         patch_set = registry.get("toyfuse").find(__import__("packaging.version").version.Version(version))
         out = data / "vendor-manifests" / "toyfuse" / f"{version}.json"
         out.parent.mkdir(exist_ok=True)
-        out.write_text(render(build_manifest(wheel, patch_set)))
+        out.write_text(manifest_text(build_manifest(wheel, patch_set)))
     return data
 
 
@@ -166,6 +168,7 @@ def test_a_hand_edit_is_drift_refused_then_forced_and_reverted(toy):
     with pytest.raises(RefusedError, match="is not the 1.0 release's bytes"):
         pipeline.apply(toy.request(), toy.registry)
     assert changed(before, toy.snapshot()) == []
+    assert re.search(r"jit-gate +drifted", render_status(pipeline.status(toy.request(), toy.registry)))
     forced = pipeline.apply(toy.request(force=True), toy.registry)
     assert forced.exit_code == ExitCode.OK
     assert comm.read_text().startswith("# tuned\n") and "[9, 10, 12]" in comm.read_text()
@@ -197,3 +200,64 @@ def test_fixed_upstream_is_told_from_data(toy):
     metadata.write_text(metadata.read_text().replace("Version: 1.0", "Version: 2.0"))
     report = pipeline.status(toy.request(), toy.registry)
     assert report.trees[0].assessment.verdict is Verdict.FIXED_UPSTREAM and report.exit_code == ExitCode.OK
+
+
+def test_a_second_apply_touches_nothing(toy):
+    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    comm = toy.site / "toyfuse" / "comm.py"
+    before, mtime = toy.snapshot(), comm.stat().st_mtime_ns
+    again = pipeline.apply(toy.request(), toy.registry)
+    assert again.exit_code == ExitCode.OK and not again.changed
+    assert "nothing to change (already patched)" in render_change(again)
+    assert changed(before, toy.snapshot()) == [] and comm.stat().st_mtime_ns == mtime
+
+
+def test_a_forced_apply_still_needs_every_site(toy):
+    """--force patches by meaning, never by guess: a file the rewriter finds no site in is
+    refused even forced, and nothing is written."""
+    comm = toy.site / "toyfuse" / "comm.py"
+    comm.write_text(SOURCE.replace("supported_major_versions", "majors"))
+    before = toy.snapshot()
+    with pytest.raises(RefusedError, match=r"expected 1 site\(s\)"):
+        pipeline.apply(toy.request(force=True), toy.registry)
+    assert changed(before, toy.snapshot()) == []
+
+
+def test_a_file_edited_after_patching_is_not_reverted_unless_forced(toy):
+    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    comm = toy.site / "toyfuse" / "comm.py"
+    comm.write_text(comm.read_text() + "# local tweak\n")
+    wheels = toy.home.parent / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "1.0")  # where the release's bytes come from
+    before = toy.snapshot()
+    refused = pipeline.revert(toy.request(wheel_dir=wheels), toy.registry)
+    assert refused.exit_code == ExitCode.REFUSED
+    (left,) = refused.left
+    assert (left.name, left.version) == ("toyfuse", "1.0")
+    assert "+# local tweak" in left.error.hint  # the drift, as a diff against the release
+    assert changed(before, toy.snapshot()) == []
+    forced = pipeline.revert(toy.request(force=True, wheel_dir=wheels), toy.registry)
+    assert forced.exit_code == ExitCode.OK
+    assert comm.read_text() == SOURCE and not (toy.site / ".sm120patch").exists()
+
+
+def test_a_patched_file_keeps_its_mode(toy):
+    comm = toy.site / "toyfuse" / "comm.py"
+    comm.chmod(0o640)
+    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert comm.stat().st_mode & 0o777 == 0o640
+    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert comm.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_reinstall_that_dropped_the_patches_is_reported_and_cleared(toy):
+    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    (toy.site / "toyfuse" / "comm.py").write_text(SOURCE)  # what pip install --force-reinstall leaves
+    report = pipeline.status(toy.request(), toy.registry)
+    assert report.exit_code == ExitCode.NOT_OK
+    assert ("jit-gate had been applied; the files are the release's again (the package was reinstalled)"
+            in render_status(report))
+    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert (toy.site / "toyfuse" / "comm.py").read_text() == SOURCE

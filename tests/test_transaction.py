@@ -16,7 +16,8 @@ from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, chang
 from sm120patch import signals, transaction
 from sm120patch.errors import ExitCode, TransactionError
 from sm120patch.state import Owner, ensure_dir
-from sm120patch.transaction import atomic_write, install_locks
+from sm120patch.fileops import atomic_write
+from sm120patch.locks import install_locks
 
 
 def test_atomic_write_replaces_content_keeps_mode_and_leaves_no_temp(tmp_path):
@@ -140,7 +141,7 @@ def test_the_lock_refuses_a_second_writer_after_a_bounded_wait(tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
             from pathlib import Path
-            from sm120patch.transaction import install_locks
+            from sm120patch.locks import install_locks
             with install_locks([Path({str(tmp_path)!r})]):
                 print("locked", flush=True)
                 time.sleep(30)

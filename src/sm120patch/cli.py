@@ -536,11 +536,11 @@ def manifest() -> None:
               help="Only this distribution's releases (repeatable; default: every one). vLLM's wheels are ~400 MB each.")
 def manifest_build(wheel_cache, out, check, names):
     """Download every pinned release's wheel and write (or compare) its manifest."""
-    from sm120patch import manifests
+    from sm120patch import releases
     from sm120patch.progress import line_progress
 
-    result = manifests.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
-                                 check=check, progress=line_progress(), names=names)
+    result = releases.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
+                                check=check, progress=line_progress(), names=names)
     for path, same in result:
         click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
     if check and not all(same for _, same in result):

@@ -23,7 +23,9 @@ from typing import Callable, NamedTuple
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
 from sm120patch.state import Owner
-from sm120patch.transaction import ASIDE_TAG, LOCK_TIMEOUT_S, Change, flock
+from sm120patch.fileops import ASIDE_TAG
+from sm120patch.locks import LOCK_TIMEOUT_S, flock
+from sm120patch.transaction import Change
 
 
 class CacheBase(NamedTuple):

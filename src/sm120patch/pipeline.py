@@ -26,9 +26,11 @@ from sm120patch.environment import Environment, Probe, start_probe
 from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
 from sm120patch.fusionpath import judge
 from sm120patch.invocation import command
+from sm120patch.journal import journal_at, read_journal
+from sm120patch.locks import install_locks
 from sm120patch.reports import ChangeReport, JitStatus, Left, Result, StatusReport, TreeStatus
 from sm120patch.state import Owner, orphans, state_root, temporaries
-from sm120patch.transaction import install_locks, journal_at, read_journal, recover
+from sm120patch.transaction import recover
 from sm120patch.trees import CheckoutTree, InstalledTree, Tree, open_checkout
 
 __all__ = ["ChangeReport", "JitStatus", "Left", "Request", "Result", "StatusReport", "TreeStatus",
@@ -185,9 +187,9 @@ def status(request: Request, registry: Registry | None = None) -> StatusReport:
             ledger = tree.read_ledger()
         except Sm120PatchError as exc:
             ledger, pending, blocks = None, f"unreadable ledger ({exc.message})", True
-        journal = tree.pending(located.command("revert --force"))
-        if journal[0] is not None:
-            pending, blocks = journal
+        run = tree.pending(located.command("revert --force"))
+        if run[0] is not None:
+            pending, blocks = run
         a = assess(tree, tree.distribution, ledger=ledger)
         shown = a.patch_set or tree.distribution.closest_set(tree.version)
         by_meaning = {}
@@ -398,16 +400,16 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     entries it had moved aside (they carry its run id)."""
     import shutil
 
-    from sm120patch.transaction import leftover_runs, prune
+    from sm120patch.fileops import prune
+    from sm120patch.journal import leftover_runs
 
     runs = {run for tree in located.installed for run in leftover_runs(tree.dist.site_dir)}
     for tree in located.installed:  # temporaries and empty directories a killed run left
-        root = state_root(tree.dist.site_dir)
-        if not (root / "journal.json").exists():
+        if not journal_at(tree.dist.site_dir).exists():
             for temporary in temporaries(tree.dist.site_dir):
                 temporary.unlink(missing_ok=True)
                 report.leftovers_removed.append(temporary)
-            prune(root)
+            prune(state_root(tree.dist.site_dir))
     if not runs:
         return
     ids = {run.name for run in runs}
@@ -430,7 +432,7 @@ def _refuse_pending(located: Located) -> None:
     for tree in located.installed:
         journal = read_journal(journal_at(tree.dist.site_dir), revert_command=located.command("revert --force"))
         if journal is not None:
-            raise RefusedError(f"an interrupted {journal['operation']} is pending in {tree.dist.site_dir}; "
+            raise RefusedError(f"an interrupted {journal.operation} is pending in {tree.dist.site_dir}; "
                                "a dry run would describe a half-changed environment",
                                hint=f"`{located.command('apply')}` rolls it back first")
 

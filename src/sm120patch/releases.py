@@ -1,4 +1,6 @@
-"""A new upstream release, supported the day it ships (maintainers: ``sm120patch manifest add``).
+"""The maintainer's side of releases: ``sm120patch manifest build`` (:func:`build_all`: every
+pinned release's manifest from its real wheel) and ``sm120patch manifest add`` (a new upstream
+release, supported the day it ships).
 
 For one release: its real wheel (downloaded, or the one given), the patch sets of the known
 releases nearest to it tried in turn, and the first whose every rewriter finds its exact site
@@ -117,9 +119,35 @@ def with_versions(text: str, versions: Sequence[Version], where: str) -> str:
 
 
 def _atomic_write(path: Path, data: str) -> None:
-    from sm120patch.transaction import atomic_write
+    from sm120patch.fileops import atomic_write
 
     atomic_write(path, data.encode("utf-8"))
+
+
+def build_all(wheel_cache: Path | None, out: Path | None, *, check: bool,
+              progress=None, names: Sequence[str] = ()) -> list[tuple[Path, bool]]:
+    """Every pinned release's manifest from its real wheel (downloaded once into the cache):
+    written (or, ``check``, compared with the committed one). Returns (path, identical)."""
+    from sm120patch import wheels
+
+    cache = wheel_cache or wheels.default_cache()
+    results = []
+    registry = load_registry()
+    chosen = ([_distribution(registry, name, option="--distribution ") for name in names] if names
+              else list(registry.distributions))
+    pins = [(ps, v) for d in chosen for ps in d.patch_sets for v in ps.versions]
+    for index, (patch_set, version) in enumerate(pins, 1):
+        if progress:
+            progress(f"[{index}/{len(pins)}] {patch_set.distribution} {version}")
+        wheel = wheels.fetch_wheel(patch_set.distribution, str(version), cache)
+        document = manifests.build_manifest(wheel, patch_set)
+        if check:
+            path = manifests.manifest_path(patch_set.distribution, str(version))
+            same = path.exists() and path.read_text(encoding="utf-8") == manifests.manifest_text(document)
+            results.append((path, same))
+        else:
+            results.append((manifests.write_manifest(document, out), True))
+    return results
 
 
 def _known(distribution: Distribution) -> list[tuple[Version, PatchSet]]:
@@ -225,7 +253,7 @@ def add(name: str, raw_version: str, *, wheel: Path | None = None, check: bool =
         raise UsageError(f"--wheel {wheel}: not a wheel of {distribution.name} {raw_version}")
     below = [v for v, _ in _known(distribution) if v < version]
     result.previous = str(below[-1]) if below else None
-    archive, record = manifests.read_wheel(wheel)
+    archive, record = wheels.read_wheel(wheel)
     with archive:
         for patch_set in candidates(distribution, version):
             attempt, files = _try(patch_set, archive, record)
@@ -277,14 +305,13 @@ def _record(distribution: Distribution, kept: PatchSet, version: Version, wheel:
     return [path, manifest]
 
 
-def _distribution(registry, name: str) -> Distribution:
-    from sm120patch.environment import normalize_name
-
+def _distribution(registry, name: str, *, option: str = "") -> Distribution:
+    """The distribution ``name`` (``option``: how the command line gave it, for the refusal)."""
     try:
-        return registry.get(normalize_name(name))
+        return registry.get(name)
     except KeyError:
         known = ", ".join(d.name for d in registry.distributions)
-        raise UsageError(f"{name}: not a distribution sm120patch knows ({known})") from None
+        raise UsageError(f"{option}{name}: not a distribution sm120patch knows ({known})") from None
 
 
 def _wheel_of(wheel: Path, name: str, version: Version) -> bool:

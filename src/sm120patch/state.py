@@ -220,7 +220,7 @@ def orphans(site_dir: Path) -> list[Orphan]:
     return found
 
 
-TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")  # transaction.temporary()'s names
+TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")  # fileops.temporary()'s names
 
 
 def temporaries(site_dir: Path) -> list[Path]:

@@ -16,166 +16,30 @@ read-back check -> ``commit`` (the journal's removal is the commit point) | ``ro
   transaction across every distribution it touches; when those live in several install
   locations, one journal is primary and the others point to it.
 
-The journal is one versioned type, written and read only here.
+The journal's format is :mod:`sm120patch.journal`; the writes themselves are
+:mod:`sm120patch.fileops`. Stashing and placing a stashed file back are this module's own.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
-import stat
 import time
 import uuid
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from sm120patch import signals
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
+from sm120patch.fileops import aside_path, atomic_write, check_writable, describe, fsync_dir, prune, temporary
 from sm120patch.hashing import sha256
-from sm120patch.state import Owner, ensure_dir, state_root
+from sm120patch.journal import REVERT_FORCE, Journal, journal_at, journal_in, read_journal
+from sm120patch.state import Owner, ensure_dir
 
 # shutil is imported inside the functions that copy or remove: `status` imports this module
-# (to read the journal), and shutil's own imports (the archive modules) would cost it 3 ms.
-
-JOURNAL_FORMAT = 2
-LOCK_TIMEOUT_S = 10.0
-REVERT_FORCE = "sm120patch revert --force"  # callers name the target: revert_command="... --python P"
-ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode and
-    owner (else ``owner``), ``os.replace`` it over ``path`` and fsync the directory."""
-    tmp = temporary(path)
-    try:  # from the moment the file exists: an exception (a signal too) takes it away again
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _take_attributes(tmp, like, owner)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
-    """The name of the temporary file beside ``path`` that a process (default: this one)
-    replaces it with."""
-    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
-
-
-def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
-    if like is not None:
-        os.chmod(path, stat.S_IMODE(like.st_mode))
-        if os.geteuid() == 0:
-            os.chown(path, like.st_uid, like.st_gid)
-    elif owner is not None:
-        owner.apply(path)
-
-
-# -- what a path holds: the before- and after-states the journal records ----------------------
-
-def describe(path: Path) -> dict:
-    """{"type": "missing"} | {"type": "link", "target": ...} | {"type": "file", "sha256": ...}"""
-    if path.is_symlink():
-        return {"type": "link", "target": os.readlink(path)}
-    try:
-        return {"type": "file", "sha256": sha256(read_regular(path))}
-    except FileNotFoundError:
-        return {"type": "missing"}
-    except IsADirectoryError:
-        return {"type": "directory"}
-
-
-# -- locks ------------------------------------------------------------------------------------
-
-@contextmanager
-def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], None] | None,
-          busy: str, hint: str, create: bool = False, owner: Owner | None = None) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (a directory, or a lock file created when
-    ``create``); say once that it waits, give up after ``timeout`` seconds."""
-    try:
-        if create and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            if owner is not None:
-                owner.apply(path)
-        else:  # an flock needs no write access: a lock file another user made works as well
-            fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
-    try:
-        deadline = time.monotonic() + timeout
-        told = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-            if time.monotonic() >= deadline:
-                raise TransactionError(f"{busy}; gave up after {timeout:.0f} s; nothing was changed", hint=hint)
-            if on_wait and not told:
-                on_wait(f"waiting: {busy} ...")
-                told = True
-            time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
-                  timeout: float = LOCK_TIMEOUT_S) -> ExitStack:
-    """One sm120patch writer per install location at a time: an flock on the directory itself
-    (nothing to create, nothing left behind), taken in path order so two runs never deadlock."""
-    stack = ExitStack()
-    try:
-        for site_dir in sorted(set(site_dirs)):
-            stack.enter_context(flock(
-                site_dir, what="install location", timeout=timeout, on_wait=on_wait,
-                busy=f"another sm120patch is changing {site_dir}",
-                hint="run again when it has finished"))
-    except BaseException:
-        stack.close()
-        raise
-    return stack
-
-
-def someone_holds(site_dir: Path) -> bool:
-    """Whether an sm120patch run is changing ``site_dir`` right now (a status must not call
-    its journal an interrupted run)."""
-    try:
-        fd = os.open(site_dir, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
+# (through the pipeline), and shutil's own imports (the archive modules) would cost it 3 ms.
 
 # -- changes ------------------------------------------------------------------------------------
 
@@ -233,7 +97,7 @@ class Transaction:
 
     @property
     def journal(self) -> Path:
-        return self.roots[0] / "journal.json"
+        return journal_in(self.roots[0])
 
     def stash_dir(self, root: Path) -> Path:
         return root / "stash" / self.run
@@ -258,13 +122,11 @@ class Transaction:
             elif entry["before"]["type"] != "missing":
                 entry["stash"] = str(self.stash_dir(root) / str(index))
             self.entries.append(entry)
-        document = {"format": JOURNAL_FORMAT, "operation": self.operation, "run": self.run, "pid": os.getpid(),
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "roots": [str(r) for r in self.roots],
-                    "entries": self.entries}
-        atomic_write(self.journal, _dump(document), owner=self.owners[self.roots[0]])
+        journal = Journal(self.journal, self.operation, self.run, [str(r) for r in self.roots], self.entries,
+                          pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        atomic_write(self.journal, journal.to_bytes(), owner=self.owners[self.roots[0]])
         for root in self.roots[1:]:
-            atomic_write(root / "journal.json", _dump({"format": JOURNAL_FORMAT, "primary": str(self.journal),
-                                                       "run": self.run}), owner=self.owners[root])
+            atomic_write(journal_in(root), journal.pointer_bytes(), owner=self.owners[root])
 
     # -- the changes ---------------------------------------------------------------------------
     def apply(self) -> None:
@@ -314,7 +176,7 @@ class Transaction:
         self.journal.unlink()  # the commit point
         fsync_dir(self.journal.parent)
         for root in self.roots[1:]:
-            (root / "journal.json").unlink(missing_ok=True)
+            journal_in(root).unlink(missing_ok=True)
         self._cleanup()
         for root in self.roots:
             prune(root)
@@ -370,14 +232,6 @@ def _what(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _dump(document: dict) -> bytes:
-    return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
-
-
-def aside_path(entry: Path, run: str) -> Path:
-    return entry.with_name(f".{entry.name}{ASIDE_TAG}{run}")
-
-
 def _stash(path: Path, stash: Path) -> None:
     """Keep ``path``'s current entry at ``stash``: a hard link (the same inode: no new space,
     the same mode and owner), else a copy (another file system)."""
@@ -426,99 +280,6 @@ def _place(source: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def prune(directory: Path) -> None:
-    """Remove empty directories under and including ``directory`` (state left after a revert)."""
-    if not directory.is_dir() or directory.is_symlink():
-        return
-    for child in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if child.is_dir() and not child.is_symlink():
-            try:
-                child.rmdir()
-            except OSError:
-                pass
-    try:
-        directory.rmdir()
-    except OSError:
-        pass
-
-
-def check_writable(paths: Sequence[Path]) -> None:
-    """Refuse before the first change when a file or its directory cannot be written (a
-    read-only file system, another user's environment)."""
-    for path in paths:
-        targets = [path.parent] + ([path] if path.exists() and not path.is_symlink() else [])
-        for target in targets:
-            probe = target
-            while not probe.exists():
-                probe = probe.parent
-            if os.access(probe, os.W_OK):
-                continue
-            if os.statvfs(probe).f_flag & os.ST_RDONLY:
-                reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
-            else:
-                reason = "permission denied"
-                owner = Owner.of(probe)
-                hint = f"run sm120patch as {owner.user}, who owns it"
-            raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint)
-
-
-# -- journals left behind ---------------------------------------------------------------------------
-
-def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> dict | None:
-    """The journal at ``path`` (following a pointer to its primary), or None. A pointer whose
-    primary is gone belonged to a run that committed: it is removed."""
-    try:
-        document = json.loads(read_regular(path).decode("utf-8"))
-    except FileNotFoundError:
-        return None
-    except PermissionError:  # whether there is a journal at all cannot be known: say that, not more
-        raise _no_access(path.parent) from None
-    except (OSError, ValueError) as exc:
-        raise _unreadable(path, exc, revert_command) from None
-    if isinstance(document, dict) and "primary" in document:
-        primary = Path(document["primary"])
-        if not primary.exists():
-            path.unlink(missing_ok=True)
-            return None
-        return read_journal(primary, revert_command=revert_command)
-    try:
-        if document["format"] != JOURNAL_FORMAT:
-            raise ValueError(f"format {document['format']!r}, this sm120patch reads {JOURNAL_FORMAT}")
-        for entry in document["entries"]:
-            entry["op"], entry["path"], entry["before"], entry["after"]  # noqa: B018 - shape check
-        document["operation"], document["roots"]  # noqa: B018
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _unreadable(path, exc, revert_command) from None
-    document["_path"] = str(path)
-    return document
-
-
-def _no_access(directory: Path) -> TransactionError:
-    import shlex
-
-    try:
-        owner = Owner.of(directory)
-    except OSError:
-        owner = None
-    mine = owner is not None and owner.uid == os.geteuid()
-    return TransactionError(
-        f"sm120patch's state directory {directory} cannot be read by this user (uid {os.geteuid()}): permission "
-        "denied; nothing was changed",
-        hint=f"chmod 700 {shlex.quote(str(directory))}" if mine else
-             f"run sm120patch as {owner.user}, who owns it" if owner else None)
-
-
-def _unreadable(path: Path, exc: Exception, revert_command: str) -> TransactionError:
-    return TransactionError(
-        f"the journal {path} of an interrupted sm120patch run is unreadable ({exc}); nothing was changed",
-        hint=f"`{revert_command}` restores every file to the release's bytes and removes the journal",
-    )
-
-
-def journal_at(site_dir: Path) -> Path:
-    return state_root(site_dir) / "journal.json"
-
-
 def rollback(journal_path: Path, *, revert_command: str = REVERT_FORCE) -> tuple[str, ...]:
     """Undo the journaled transaction, in reverse: each path back to its before-state from its
     stash, each JIT entry back in place; then drop the journal(s). Idempotent. When a path can
@@ -532,14 +293,14 @@ def _rollback(journal_path: Path, revert_command: str) -> tuple[str, ...]:
     journal = read_journal(journal_path, revert_command=revert_command)
     if journal is None:
         return ()
-    entries = journal["entries"]
+    entries = journal.entries
     at_after = all(_at_after(entry) for entry in entries)
     # First decide, then act: either every path can go back to its before-state, or (every
     # change having been made) the run is finished as it stands; never half of each.
     stuck = [Path(e["path"]) for e in entries if e["op"] != "aside" and not _restorable(e)]
     if stuck and not at_after:
         raise TransactionError(
-            f"cannot roll back the interrupted {journal['operation']} of {journal.get('started', '?')}: "
+            f"cannot roll back the interrupted {journal.operation} of {journal.started}: "
             f"{', '.join(map(str, stuck))} {'is' if len(stuck) == 1 else 'are'} neither what {'it was' if len(stuck) == 1 else 'they were'} "
             "nor what that run wrote, and the copy it stashed is gone",
             hint=f"`{revert_command}` restores every file to the release's bytes (from the saved originals "
@@ -592,24 +353,23 @@ def _at_after(entry: dict) -> bool:
     return describe(Path(entry["path"])) == entry["after"]
 
 
-def _drop_journals(journal: dict) -> None:
+def _drop_journals(journal: Journal) -> None:
     import shutil
 
-    primary = Path(journal["_path"])
-    pid = journal.get("pid")
-    for entry in journal["entries"] if pid is not None else ():  # killed between making a temporary and renaming it
+    pid = journal.pid
+    for entry in journal.entries if pid is not None else ():  # killed between making a temporary and renaming it
         for suffix in ("tmp", "link"):
             temporary(Path(entry["path"]), suffix, pid).unlink(missing_ok=True)
-    primary.unlink(missing_ok=True)
-    roots = [Path(r) for r in journal["roots"]]
+    journal.path.unlink(missing_ok=True)
+    roots = [Path(r) for r in journal.roots]
     for root in roots:
-        (root / "journal.json").unlink(missing_ok=True)
-        shutil.rmtree(root / "stash" / journal["run"], ignore_errors=True)
+        journal_in(root).unlink(missing_ok=True)
+        shutil.rmtree(root / "stash" / journal.run, ignore_errors=True)
         try:
             (root / "stash").rmdir()
         except OSError:
             pass
-    for entry in journal["entries"]:
+    for entry in journal.entries:
         if entry["op"] == "aside":
             shutil.rmtree(entry["aside"], ignore_errors=True)
     for root in roots:  # the directories the rolled-back run made for its state, if now empty
@@ -631,7 +391,7 @@ def recover(site_dirs: Sequence[Path], *, force: bool = False, revert_command: s
             return Recovery("unknown", (), finished=False)
         if journal is None:
             continue
-        finished = all(_at_after(entry) for entry in journal["entries"])
+        finished = all(_at_after(entry) for entry in journal.entries)
         try:
             restored = rollback(path, revert_command=revert_command)
         except TransactionError:
@@ -639,14 +399,5 @@ def recover(site_dirs: Sequence[Path], *, force: bool = False, revert_command: s
                 raise
             _drop_journals(journal)
             restored = ()
-        return Recovery(journal["operation"], restored, finished=finished and not restored, started=journal.get("started", ""))
+        return Recovery(journal.operation, restored, finished=finished and not restored, started=journal.started)
     return None
-
-
-def leftover_runs(site_dir: Path) -> list[Path]:
-    """Stash directories no journal refers to: runs killed after their commit point, before
-    they had cleaned up (their JIT asides carry the same run id)."""
-    root = state_root(site_dir)
-    if (root / "journal.json").exists() or not (root / "stash").is_dir():
-        return []
-    return sorted(p for p in (root / "stash").iterdir() if p.is_dir())

@@ -240,7 +240,8 @@ class InstalledTree:
     def pending(self, revert_command: str) -> tuple[str | None, bool]:
         """An interrupted run (blocks: status exits 3), or one in progress, in words."""
         from sm120patch.errors import Sm120PatchError
-        from sm120patch.transaction import journal_at, read_journal, someone_holds
+        from sm120patch.journal import journal_at, read_journal
+        from sm120patch.locks import someone_holds
 
         site_dir = self.dist.site_dir
         try:
@@ -249,9 +250,8 @@ class InstalledTree:
             return exc.message, True  # in its own words: unreadable, or not even readable by this user
         if journal is None:
             return None, False
-        if someone_holds(site_dir):
-            return f"another sm120patch (pid {journal.get('pid')}) is running {journal['operation']} here right now", False
-        return f"an interrupted {journal['operation']} (started {journal.get('started', '?')})", True
+        running = someone_holds(site_dir)
+        return journal.describe(running=running), not running
 
     def pin_mismatch(self) -> str | None:
         other = self.distribution.pins
@@ -374,7 +374,7 @@ class CheckoutTree:
         return None
 
     def lock(self, on_wait: Callable[[str], None] | None) -> AbstractContextManager:
-        from sm120patch.transaction import LOCK_TIMEOUT_S, flock
+        from sm120patch.locks import LOCK_TIMEOUT_S, flock
 
         return flock(Path(self.repo.git_dir), what="checkout", timeout=LOCK_TIMEOUT_S, on_wait=on_wait,
                      busy=f"another sm120patch is changing {self.root}", hint="run again when it has finished")

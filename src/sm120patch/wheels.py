@@ -1,16 +1,24 @@
-"""Fetch real upstream wheels (``pip download --no-deps``) into a cache shared by the
-manifest builder, the demo and the tests."""
+"""Real upstream wheels: fetched (``pip download --no-deps``) into a cache shared by the
+manifest builder, the demo and the tests, and read (a file, with the hash the wheel's own
+RECORD gives it)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from sm120patch.errors import Sm120PatchError
+from sm120patch.environment import parse_record_hash
+from sm120patch.errors import PatchDataError, Sm120PatchError
+
+if TYPE_CHECKING:
+    import zipfile
 
 
 def default_cache() -> Path:
@@ -78,3 +86,24 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise Sm120PatchError(f"could not download {distribution}=={version}: {detail}")
     return found
+
+
+def wheel_file(wheel: Path, relpath: str) -> tuple[bytes, str | None]:
+    """One file of a wheel and the hash the wheel's own RECORD gives it."""
+    archive, record = read_wheel(wheel)
+    with archive:
+        try:
+            return archive.read(relpath), record.get(relpath)
+        except KeyError:
+            raise PatchDataError(f"{wheel.name} has no {relpath}") from None
+
+
+def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
+    import zipfile
+
+    archive = zipfile.ZipFile(wheel)
+    records = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
+    if len(records) != 1:
+        raise PatchDataError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(records)}")
+    rows = csv.reader(io.StringIO(archive.read(records[0]).decode("utf-8")))
+    return archive, {row[0]: parse_record_hash(row[1]) if row[1] else None for row in rows if row}

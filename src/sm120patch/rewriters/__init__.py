@@ -11,6 +11,7 @@ from sm120patch.rewriters.base import (
     Rewriter,
     create,
 )
+from sm120patch.rewriters.apply import apply_edits
 
 __all__ = [
     "REGISTRY",
@@ -19,6 +20,7 @@ __all__ = [
     "NoMatch",
     "RewriteResult",
     "Rewriter",
+    "apply_edits",
     "create",
     "load_all",
 ]

@@ -28,9 +28,13 @@ class _SiteTransformer(cst.CSTTransformer):
         self._functions: list[str] = []
         self.found = 0
         self.applied = 0
+        # Functions whose bodies cannot hold a site (they neither are nor enclose ``function``),
+        # when known: visiting them is most of the work on a large module, so they are skipped.
+        self.enclosing: set[str] | None = None
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self._functions.append(node.name.value)
+        return self.enclosing is None or self.in_scope or node.name.value in self.enclosing
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
         self._functions.pop()
@@ -39,6 +43,28 @@ class _SiteTransformer(cst.CSTTransformer):
     @property
     def in_scope(self) -> bool:
         return self.function is None or self.function in self._functions
+
+
+def _enclosing(text: str, function: str) -> set[str] | None:
+    """The names of the functions a ``def function`` is nested in (CPython's own parser, which
+    is much faster than libcst's); None when it cannot say."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+
+    def walk(node: ast.AST, outer: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.name == function:
+                    names.update(outer)
+                walk(child, (*outer, child.name))
+            else:
+                walk(child, outer)
+
+    walk(tree, ())
+    return names
 
 
 class LibcstRewriter(Rewriter):
@@ -75,6 +101,8 @@ class LibcstRewriter(Rewriter):
         except cst.ParserSyntaxError as exc:
             return NoMatch(f"file does not parse as Python ({exc.message}, line {exc.raw_line})")
         transformer = self.transformer()
+        if transformer.function is not None:
+            transformer.enclosing = _enclosing(text, transformer.function)
         new_module = module.visit(transformer)
         if transformer.found == 0 and transformer.applied == sites:
             return AlreadyApplied(sites)

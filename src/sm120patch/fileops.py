@@ -1,0 +1,119 @@
+"""Writing a user's files: a file is never written in place (new bytes go to a temporary file
+beside it, fsynced, given the old file's mode and owner, and renamed over it); the pre-flight
+that refuses, before the first change, what cannot be written; and what a path holds, as the
+journal records it.
+
+Reading one is :mod:`sm120patch.fileio`, kept apart because :mod:`sm120patch.state` reads with
+it and this module needs ``state``'s owners."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Sequence
+
+from sm120patch.errors import TransactionError
+from sm120patch.fileio import read_regular
+from sm120patch.hashing import sha256
+from sm120patch.state import Owner
+
+ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode and
+    owner (else ``owner``), ``os.replace`` it over ``path`` and fsync the directory."""
+    tmp = temporary(path)
+    try:  # from the moment the file exists: an exception (a signal too) takes it away again
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _take_attributes(tmp, like, owner)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
+    """The name of the temporary file beside ``path`` that a process (default: this one)
+    replaces it with."""
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
+
+
+def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
+    if like is not None:
+        os.chmod(path, stat.S_IMODE(like.st_mode))
+        if os.geteuid() == 0:
+            os.chown(path, like.st_uid, like.st_gid)
+    elif owner is not None:
+        owner.apply(path)
+
+
+# -- what a path holds: the before- and after-states the journal records ----------------------
+
+def describe(path: Path) -> dict:
+    """{"type": "missing"} | {"type": "link", "target": ...} | {"type": "file", "sha256": ...}"""
+    if path.is_symlink():
+        return {"type": "link", "target": os.readlink(path)}
+    try:
+        return {"type": "file", "sha256": sha256(read_regular(path))}
+    except FileNotFoundError:
+        return {"type": "missing"}
+    except IsADirectoryError:
+        return {"type": "directory"}
+
+
+def aside_path(entry: Path, run: str) -> Path:
+    return entry.with_name(f".{entry.name}{ASIDE_TAG}{run}")
+
+
+def prune(directory: Path) -> None:
+    """Remove empty directories under and including ``directory`` (state left after a revert)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for child in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if child.is_dir() and not child.is_symlink():
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
+def check_writable(paths: Sequence[Path]) -> None:
+    """Refuse before the first change when a file or its directory cannot be written (a
+    read-only file system, another user's environment)."""
+    for path in paths:
+        targets = [path.parent] + ([path] if path.exists() and not path.is_symlink() else [])
+        for target in targets:
+            probe = target
+            while not probe.exists():
+                probe = probe.parent
+            if os.access(probe, os.W_OK):
+                continue
+            if os.statvfs(probe).f_flag & os.ST_RDONLY:
+                reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
+            else:
+                reason = "permission denied"
+                owner = Owner.of(probe)
+                hint = f"run sm120patch as {owner.user}, who owns it"
+            raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint)

@@ -1,0 +1,88 @@
+"""The locks that make two sm120patch runs behave as if one ran after the other: an flock on
+each install location it changes (the directory itself: nothing to create, nothing left
+behind), on a checkout's ``.git``, on FlashInfer's own build lock of a JIT module. Each waits a
+bounded time and says once that it waits."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from sm120patch.errors import TransactionError
+from sm120patch.state import Owner
+
+LOCK_TIMEOUT_S = 10.0
+
+
+@contextmanager
+def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], None] | None,
+          busy: str, hint: str, create: bool = False, owner: Owner | None = None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (a directory, or a lock file created when
+    ``create``); say once that it waits, give up after ``timeout`` seconds."""
+    try:
+        if create and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if owner is not None:
+                owner.apply(path)
+        else:  # an flock needs no write access: a lock file another user made works as well
+            fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
+    try:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() >= deadline:
+                raise TransactionError(f"{busy}; gave up after {timeout:.0f} s; nothing was changed", hint=hint)
+            if on_wait and not told:
+                on_wait(f"waiting: {busy} ...")
+                told = True
+            time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
+                  timeout: float = LOCK_TIMEOUT_S) -> ExitStack:
+    """One sm120patch writer per install location at a time: an flock on the directory itself
+    (nothing to create, nothing left behind), taken in path order so two runs never deadlock."""
+    stack = ExitStack()
+    try:
+        for site_dir in sorted(set(site_dirs)):
+            stack.enter_context(flock(
+                site_dir, what="install location", timeout=timeout, on_wait=on_wait,
+                busy=f"another sm120patch is changing {site_dir}",
+                hint="run again when it has finished"))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def someone_holds(site_dir: Path) -> bool:
+    """Whether an sm120patch run is changing ``site_dir`` right now (a status must not call
+    its journal an interrupted run)."""
+    try:
+        fd = os.open(site_dir, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
