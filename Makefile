@@ -20,7 +20,7 @@ demo: install
 	PATH="$(abspath $(BIN)):$$PATH" bash demo/run.sh
 
 test: install
-	$(BIN)/python -m pytest -n auto --dist loadgroup
+	$(BIN)/python -m pytest -n auto
 
 # The tests that need no real wheel, no torch, no download: the pipeline on a synthetic
 # distribution, the CLI, parsers, rewriters (seconds).

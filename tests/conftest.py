@@ -109,13 +109,9 @@ RUNTIME_REQUIREMENTS = ["torch==2.13.0", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0
                         "numpy", "tqdm", "requests", "einops", "tabulate", "click", "nvidia-ml-py", "filelock"]
 
 
-@pytest.fixture(scope="session")
-def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
-    """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
-    dependencies it needs, then the real wheels without dependencies): one per test session,
-    removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
-    root = tmp_path_factory.mktemp("runtime") / "venv"
-    python = make_venv(root, [flashinfer_wheel, sglang_wheel])
+def _runtime_env(tmp_path_factory, name: str, wheels: list[Path]):
+    root = tmp_path_factory.mktemp(name) / "venv"
+    python = make_venv(root, wheels)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
                     "--disable-pip-version-check", *RUNTIME_REQUIREMENTS], check=True)
     home = root.parent / "home"
@@ -124,11 +120,34 @@ def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
     shutil.rmtree(root.parent, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
+    """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
+    dependencies it needs, then the real wheels without dependencies): one per test session,
+    removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
+    yield from _runtime_env(tmp_path_factory, "runtime", [flashinfer_wheel, sglang_wheel])
+
+
+@pytest.fixture(scope="session")
+def build_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
+    """Another such environment, for test_build.py: its minutes-long compile runs beside the
+    runtime environment's tests (another pytest-xdist worker), not after them."""
+    yield from _runtime_env(tmp_path_factory, "build", [flashinfer_wheel, sglang_wheel])
+
+
 # Tests that need the real upstream wheels (or torch, or a download): `make check` leaves
 # them out and runs the rest in well under a minute; `make test` runs everything.
 WHEEL_FIXTURES = {"flashinfer_wheel", "sglang_wheel", "wheel_cache", "pristine_template", "serving_env", "sm120patch",
-                  "read_only_env", "read_only_cli", "runtime_env", "sandboxes"}
+                  "read_only_env", "read_only_cli", "runtime_env", "build_env", "sandboxes"}
 NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py")
+
+
+# The files whose tests use the runtime environment (over a gigabyte, torch in it): under
+# pytest-xdist (`make test` runs -n auto) they all go to one worker, in the order one process
+# runs them, so the environment is made once. The fault-injection sweeps are spread one test
+# at a time; every other file stays on one worker (its module fixtures are made once).
+RUNTIME_FILES = ("test_bench.py", "test_fusion_paths.py", "test_verify.py")
+SPREAD_FILES = ("test_fault_injection.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -136,11 +155,21 @@ def pytest_collection_modifyitems(config, items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if WHEEL_FIXTURES & fixtures or item.path.name in NEEDS_WHEELS:
             item.add_marker(pytest.mark.wheels)
-        if "runtime_env" in fixtures:
-            # One runtime environment (over a gigabyte, torch in it) per run, its tests in the
-            # order they have in one process: with pytest-xdist (`make test` runs -n auto
-            # --dist loadgroup) they all go to one worker.
-            item.add_marker(pytest.mark.xdist_group("runtime"))
+        if "runtime_env" in fixtures and item.path.name not in RUNTIME_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses runtime_env: add {item.path.name} to RUNTIME_FILES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            name = path.rsplit("/", 1)[-1]
+            return "runtime" if name in RUNTIME_FILES else nodeid if name in SPREAD_FILES else path
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture

@@ -55,8 +55,8 @@ def test_a_target_without_torch_is_exit_2_and_the_patch_stays(sm120patch, servin
     assert sm120patch("status").exit_code == ExitCode.OK
 
 
-def test_no_gpu_and_no_arch_says_to_pass_arch(runtime_env):
-    session = Session(runtime_env)
+def test_no_gpu_and_no_arch_says_to_pass_arch(build_env):
+    session = Session(build_env)
     assert session("apply", "--flashinfer").exit_code == 0
     try:
         result = session("build")
@@ -67,37 +67,37 @@ def test_no_gpu_and_no_arch_says_to_pass_arch(runtime_env):
         assert session("revert").exit_code == 0
 
 
-def test_a_failed_build_leaves_no_half_written_entry(runtime_env, monkeypatch, tmp_path):
+def test_a_failed_build_leaves_no_half_written_entry(build_env, monkeypatch, tmp_path):
     """The compiler is missing: FlashInfer's ninja run fails; exit 1, its last lines shown, and
     the cache entry the build had started is gone."""
-    session = Session(runtime_env)
+    session = Session(build_env)
     assert session("apply", "--flashinfer").exit_code == 0
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
-    monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", f"{build_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("build", "--arch", "12.0a")
         assert result.exit_code == ExitCode.NOT_OK, result.output
         one_clear_error(result.output, "FlashInfer's JIT build of trtllm_comm failed")
         assert "the half-built entry was removed" in result.output
-        assert not runtime_env.jit_entry("120a", "trtllm_comm").exists()
+        assert not build_env.jit_entry("120a", "trtllm_comm").exists()
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
 
 
-def test_verify_build_reports_a_failed_build(runtime_env, monkeypatch, tmp_path):
+def test_verify_build_reports_a_failed_build(build_env, monkeypatch, tmp_path):
     """`verify --build` through the CLI: FlashInfer's build in a temporary workspace; without a
     compiler it fails, and verify says so (exit 1) and leaves the server's cache alone."""
-    session = Session(runtime_env)
+    session = Session(build_env)
     assert session("apply", "--flashinfer").exit_code == 0
-    before = snapshot(runtime_env)
+    before = snapshot(build_env)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
-    monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", f"{build_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("verify", "--build")
         assert result.exit_code == ExitCode.NOT_OK
         assert "FAIL  build" in result.output and "trtllm_comm JIT build (12.0a)" in result.output
-        assert changed(before, snapshot(runtime_env)) == []
+        assert changed(before, snapshot(build_env)) == []
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
@@ -121,7 +121,7 @@ def undefined(library: Path) -> set[str]:
 
 
 @pytest.mark.nvcc
-def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert_removes_it(runtime_env, monkeypatch,
+def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert_removes_it(build_env, monkeypatch,
                                                                                              tmp_path):
     """An image build: no GPU, no driver, `--arch 12.0a`, and this machine's toolkit (assembled
     from PyPI's nvidia-cuda-* wheels) has no lib64/stubs/libcuda.so. FlashInfer's JIT compiles
@@ -141,8 +141,8 @@ def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert
     roots = [r for r in (cuda_home(), Path("/usr/local/cuda")) if (r / "lib64" / "libcudart.so").exists()]
     need(bool(roots), "no CUDA toolkit root with lib64/libcudart.so")
     monkeypatch.setenv("CUDA_HOME", str(roots[0]))
-    session = Session(runtime_env)
-    entry = runtime_env.jit_entry("120a", "trtllm_comm")
+    session = Session(build_env)
+    entry = build_env.jit_entry("120a", "trtllm_comm")
     try:
         result = session("apply", "--flashinfer", "--build", "--arch", "12.0a")
         assert result.exit_code == 0, result.output
@@ -247,7 +247,7 @@ print(json.dumps([str(env.FLASHINFER_JIT_DIR), CompilationContext().get_nvcc_fla
 """
 
 
-def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(runtime_env, tmp_path):
+def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(build_env, tmp_path):
     import json
     import os
     import subprocess
@@ -256,7 +256,7 @@ def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(runtime_env,
     env["FLASHINFER_WORKSPACE_BASE"] = str(tmp_path)
     derived = {}
     for how, extra in (("detected", {}), ("--arch", {"FLASHINFER_CUDA_ARCH_LIST": parse_arch("12.0a")})):
-        out = subprocess.run([str(runtime_env.python), "-c", _DERIVED, how], env=dict(env, **extra),
+        out = subprocess.run([str(build_env.python), "-c", _DERIVED, how], env=dict(env, **extra),
                              capture_output=True, text=True, check=True).stdout
         derived[how] = json.loads(out.splitlines()[-1])
     assert derived["detected"] == derived["--arch"]
