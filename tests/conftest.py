@@ -135,8 +135,9 @@ def build_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
     yield from _runtime_env(tmp_path_factory, "build", [flashinfer_wheel, sglang_wheel])
 
 
-# Tests that need the real upstream wheels (or torch, or a download): `make check` leaves
-# them out and runs the rest in well under a minute; `make test` runs everything.
+# Tests that need the real upstream wheels (or torch, or a download), and the fault-injection
+# sweeps (minutes of strace): `make check` leaves them out and runs the rest in well under a
+# minute; `make test` runs everything.
 WHEEL_FIXTURES = {"flashinfer_wheel", "sglang_wheel", "wheel_cache", "pristine_template", "serving_env", "sm120patch",
                   "read_only_env", "read_only_cli", "runtime_env", "build_env", "sandboxes"}
 NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py")

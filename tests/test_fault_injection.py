@@ -1,11 +1,17 @@
-"""Kill sm120patch (SIGKILL) at every write-related system call of apply and of revert, and
-fail every write and rename (ENOSPC, EIO), one run per point, from outside the process with
-strace. One run touches FlashInfer and SGLang (one transaction over both). After each kill
-every file is exactly pristine or exactly patched, no original is lost, no trtllm_comm JIT
-entry is in place beside sources other than those it was built from, status calls the state
-what it is, and the next command (the same one, or the opposite) brings the environment wholly
-to one state. After each injected error the whole environment, its state and its JIT cache
-are byte for byte as before."""
+"""Kill sm120patch (SIGKILL) at every write-related system call of apply and of revert, send it
+SIGINT, SIGTERM or SIGHUP there, and fail every write and rename (ENOSPC, EIO), one run per
+point, from outside the process with strace. After each kill every file is exactly pristine or
+exactly patched, no original is lost, no JIT entry is in place beside sources other than those
+it was built from, status calls the state what it is, and the next command (the same one, or
+the opposite) brings the environment wholly to one state. After each injected error the whole
+environment, its state and its JIT cache are byte for byte as before.
+
+The environment holds the two synthetic distributions of tests/toy.py: a kernel library with a
+JIT module and a server, one transaction over both, the JIT entries moved aside and back. What
+is swept is sm120patch's own writes (the journal, the stash, the originals, the ledgers, the
+renames), the same for every distribution; the toy's few-line files make each of the several
+hundred runs a fraction of a second. The real wheels' files are written by the same code (the
+matrix, test_e2e and test_situations run it on them)."""
 
 from __future__ import annotations
 
@@ -16,13 +22,16 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, ServingEnv, changed, need, snapshot, wheel_file
+from helpers import ServingEnv, changed, jit_entry_at, need, snapshot
 from sm120patch.hashing import sha256
 from sm120patch.manifests import load_manifest
 from sm120patch.state import TEMPORARY
+from toy import FILES as TOY_FILES
+from toy import install, make_data, make_wheel
 
 STRACE = shutil.which("strace")
 
@@ -32,9 +41,9 @@ WRITE_SYSCALLS = (
     "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
 TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
-FILES = {**{relpath: "flashinfer-python" for relpath in FLASHINFER_FILES}, COMMUNICATOR: "sglang"}
+FILES = {relpath: name for name, (relpath, _) in TOY_FILES.items()}  # relpath -> distribution
+KERNELS, MODULE, VERSION = "toyfuse", "toy_comm", "1.0"  # the distribution with a JIT module, and it
 WORKERS = max(1, min(4, os.cpu_count() or 1))
-SELECT = ["--flashinfer", "0.6.4", "--sglang", "0.5.9"]
 OPPOSITE = {"apply": "revert", "revert": "apply"}
 STATE_OF = {"apply": "patched", "revert": "pristine"}
 
@@ -45,6 +54,7 @@ class Sandbox:
 
     env: ServingEnv
     pristine: dict[str, bytes]
+    data: Path  # SM120PATCH_DATA_DIR: the shipped data and the toy distributions
     patched: dict[str, bytes] | None = None  # the files after this sandbox's own first apply
 
     @property
@@ -57,7 +67,22 @@ class Sandbox:
 
     def argv(self, command: str) -> list[str]:
         return [sys.executable, "-m", "sm120patch", command, "--python", str(self.env.python),
-                "--jit-cache-base", str(self.env.home), *([] if command == "status" else SELECT)]
+                "--jit-cache-base", str(self.env.home)]
+
+    def environ(self) -> dict[str, str]:
+        # No .pyc writes: the traced runs must make the same calls every time.
+        return dict(os.environ, PYTHONDONTWRITEBYTECODE="1", SM120PATCH_DATA_DIR=str(self.data))
+
+    def seed_jit(self) -> None:
+        """JIT entries as a server leaves them (stand-in files, newer than the sources), with the
+        lock file FlashInfer creates beside them, for the kernels' module and another."""
+        for arch in ("90a", "90a_120a"):
+            for module in (MODULE, "norm"):
+                entry = jit_entry_at(self.env.home, VERSION, arch, module)
+                entry.mkdir(parents=True, exist_ok=True)
+                (entry / f"{module}.so").write_bytes(b"\x7fELF")
+                (entry.parent / "tmp").mkdir(exist_ok=True)
+                (entry.parent / "tmp" / f"{module}.lock").touch()
 
     def reset(self, *, patched: bool) -> None:
         """Pristine, or patched as this sandbox's own apply left it: applied once, then its files
@@ -74,13 +99,13 @@ class Sandbox:
             shutil.copytree(self.env.state_root, self.saved_state, symlinks=True)
         elif patched:
             shutil.copytree(self.saved_state, self.env.state_root, symlinks=True)
-        self.env.seed_jit()  # entries as a server built them, from the sources as they are now
+        self.seed_jit()  # entries as a server built them, from the sources as they are now
 
     def points(self, command: str) -> list[tuple[str, int, str]]:
         """(syscall, n, args): the n-th call of that syscall touched the environment or its cache."""
         trace = self.env.root.parent / f"trace-{command}.txt"
         subprocess.run([STRACE, "-qq", "-y", "-o", str(trace), "-e", f"trace={WRITE_SYSCALLS}", *self.argv(command)],
-                       check=True, capture_output=True, env=quiet_env())
+                       check=True, capture_output=True, env=self.environ())
         counts: dict[str, int] = {}
         points = []
         roots = (str(self.env.root), str(self.env.home))
@@ -100,7 +125,7 @@ class Sandbox:
 
     def run(self, command: str) -> subprocess.CompletedProcess:
         """The command as a user runs it (a process of its own: the workers run in threads)."""
-        proc = subprocess.run(self.argv(command), capture_output=True, text=True, env=quiet_env())
+        proc = subprocess.run(self.argv(command), capture_output=True, text=True, env=self.environ())
         if command != "status":
             assert proc.returncode == 0, f"{command} failed: {proc.stderr}"
         return proc
@@ -109,7 +134,7 @@ class Sandbox:
         return subprocess.run(
             [STRACE, "-qq", "-o", "/dev/null", "-e", f"trace={syscall}", "-e", f"inject={syscall}:{action}:when={n}",
              *self.argv(command)],
-            capture_output=True, text=True, env=quiet_env(),
+            capture_output=True, text=True, env=self.environ(),
         )
 
     def temporaries(self) -> list[str]:
@@ -120,7 +145,7 @@ class Sandbox:
     def file_states(self) -> dict[str, str]:
         states = {}
         for relpath, name in FILES.items():
-            manifest = load_manifest(name, "0.6.4" if name == "flashinfer-python" else "0.5.9")
+            manifest = load_manifest(name, VERSION, self.data / "vendor-manifests")
             digest = sha256(self.env.file(relpath).read_bytes())
             expected = manifest.files[relpath]
             states[relpath] = ("pristine" if digest == expected.pristine
@@ -134,34 +159,37 @@ class Sandbox:
         assert "MIXED" not in states.values(), f"{where}: a file is neither pristine nor patched: {states}"
         for relpath, state in states.items():
             if state == "patched":
-                prefix = "flashinfer_python" if FILES[relpath] == "flashinfer-python" else "sglang"
-                original = self.env.state(prefix).original(relpath)
+                original = self.env.state(FILES[relpath]).original(relpath)
                 assert original.exists() and original.read_bytes() == self.pristine[relpath], \
                     f"{where}: {relpath} is patched but its original is lost"
-        flashinfer = {states[r] for r in FLASHINFER_FILES}
+        kernels = {states[r] for r, name in FILES.items() if name == KERNELS}
         for arch in ("90a", "90a_120a"):
-            entry = self.env.jit_entry(arch, "trtllm_comm")
+            entry = jit_entry_at(self.env.home, VERSION, arch, MODULE)
             if entry.exists():
-                assert flashinfer == {built_for}, f"{where}: {entry} is in place beside other sources ({states})"
+                assert kernels == {built_for}, f"{where}: {entry} is in place beside other sources ({states})"
         return states
 
 
-def quiet_env() -> dict[str, str]:
-    # No .pyc writes: the traced runs must make the same calls every time.
-    return dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory) -> Path:
+    return make_data(tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("wheels"), ("toyfuse", "toyserve"))
 
 
 @pytest.fixture
-def sandboxes(pristine_template, tmp_path, flashinfer_wheel, sglang_wheel):
+def sandboxes(toy_data, tmp_path):
     need(STRACE is not None, "strace is not installed (.ci/run installs it)")
-    pristine = {relpath: wheel_file(flashinfer_wheel if name == "flashinfer-python" else sglang_wheel, relpath)
-                for relpath, name in FILES.items()}
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    pristine = {relpath: source.encode() for relpath, source in TOY_FILES.values()}
     boxes = []
     for i in range(WORKERS):
         root = tmp_path / f"box{i}" / "venv"
-        shutil.copytree(pristine_template, root, symlinks=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+        site = next((root / "lib").glob("python3*/site-packages"))
+        for name in TOY_FILES:
+            install(site, make_wheel(wheels, VERSION, name=name))
         (root.parent / "home").mkdir()
-        boxes.append(Sandbox(ServingEnv(root, root.parent / "home"), pristine))
+        boxes.append(Sandbox(ServingEnv(root, root.parent / "home"), pristine, toy_data))
     return boxes
 
 
@@ -187,7 +215,7 @@ def covers(points: list, command: str) -> None:
     """The traced run wrote every kind of thing a run writes: losing a class of kill points
     fails here, not silently."""
     touched = " ".join(args for _, _, args in points)
-    wanted = ["journal.json", "/stash/", "trtllm_comm", "sm120patch-aside", *FILES]
+    wanted = ["journal.json", "/stash/", MODULE, "sm120patch-aside", *FILES]
     wanted += ["/originals/", "ledger.json"] if command == "apply" else []
     missing = [w for w in wanted if w not in touched]
     assert missing == [], f"the {command} trace never touches {missing}"

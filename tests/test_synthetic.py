@@ -5,99 +5,26 @@ install that is a bare venv's site-packages with a RECORD. `make check` runs the
 
 from __future__ import annotations
 
-import csv
 import re
-import io
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, changed, record_hash, tree_snapshot
+from helpers import changed, tree_snapshot
 from sm120patch import pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
-from sm120patch.manifests import build_manifest, manifest_text
 from sm120patch.render import render_change, render_status
-
-SOURCE = '''\
-def gen_trtllm_comm_module():
-    return gen_jit_spec(
-        "toy_comm",
-        supported_major_versions=[9, 10],
-    )
-'''
-DISTRIBUTION = '''\
-name = "toyfuse"
-option = "toyfuse"
-summary = "a synthetic distribution: everything sm120patch knows about it is this file and 1.0.toml"
-fixed_in = "2.0"
-jit_module = "toy_comm"
-
-[[advice]]
-versions = ">=1.0"
-level = "info"
-text = "toyfuse {version} is made up for the tests"
-'''
-PATCH_SET = '''\
-versions = ["1.0", "1.1"]
-summary = "accept SM120"
-
-[[patch]]
-id = "jit-gate"
-check = "jit-gate"
-file = "toyfuse/comm.py"
-required = true
-summary = "gen_trtllm_comm_module accepts 12"
-upstream = "https://example.org/toyfuse/pull/1"
-fixed_in = "2.0"
-
-[[patch.edit]]
-rewriter = "python.extend-list-argument"
-sites = 1
-params = { function = "gen_trtllm_comm_module", keyword = "supported_major_versions", value = "12" }
-'''
-
-
-def make_wheel(directory: Path, version: str, source: str = SOURCE) -> Path:
-    files = {"toyfuse/__init__.py": b"", "toyfuse/comm.py": source.encode(),
-             f"toyfuse-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: toyfuse\nVersion: {version}\n".encode(),
-             f"toyfuse-{version}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = io.StringIO()
-    writer = csv.writer(record, lineterminator="\n")
-    for name, data in files.items():
-        writer.writerow([name, record_hash(data), len(data)])
-    writer.writerow([f"toyfuse-{version}.dist-info/RECORD", "", ""])
-    wheel = directory / f"toyfuse-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for name, data in files.items():
-            archive.writestr(name, data)
-        archive.writestr(f"toyfuse-{version}.dist-info/RECORD", record.getvalue())
-    return wheel
-
+from toy import SOURCE, install, make_data, make_wheel
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """The shipped data plus toyfuse, as SM120PATCH_DATA_DIR sees it."""
-    data = tmp_path_factory.mktemp("data")
-    shutil.copytree(ROOT / "patches", data / "patches")
-    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
-    (data / "patches" / "toyfuse").mkdir()
-    (data / "patches" / "toyfuse" / "distribution.toml").write_text(DISTRIBUTION)
-    (data / "patches" / "toyfuse" / "1.0.toml").write_text(PATCH_SET)
-    wheels = tmp_path_factory.mktemp("wheels")
-    registry = load_registry(data / "patches")
-    for version in ("1.0", "1.1"):
-        wheel = make_wheel(wheels, version)
-        patch_set = registry.get("toyfuse").find(__import__("packaging.version").version.Version(version))
-        out = data / "vendor-manifests" / "toyfuse" / f"{version}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(manifest_text(build_manifest(wheel, patch_set)))
-    return data
+    return make_data(tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("wheels"))
 
 
 @pytest.fixture
@@ -107,9 +34,7 @@ def toy(data_dir, tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    with zipfile.ZipFile(make_wheel(tmp_path, "1.0")) as archive:
-        archive.extractall(site)
-    (site / "toyfuse-1.0.dist-info" / "INSTALLER").write_text("pip\n")
+    install(site, make_wheel(tmp_path, "1.0"))
     home = tmp_path / "home"
     home.mkdir()
     return Toy(venv, site, home, load_registry(data_dir / "patches"))
