@@ -127,10 +127,10 @@ class Group(click.Group):
 _emitted = False  # whether the command printed its document (an error then adds none)
 
 
-def emit(text: str) -> None:
+def emit(text: str, *, nl: bool = True) -> None:
     global _emitted
     if text:
-        click.echo(text)
+        click.echo(text, nl=nl)
         _emitted = True
 
 
@@ -233,11 +233,18 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
                             on_wait=lambda text: click.echo(f"sm120patch: {text}", err=True))
 
 
-def show(report, as_json: bool, text, document) -> int:
-    """Every command's end: the report as text or as its --json document, then each error it
-    carries through :func:`handle` (the change it reports stands); the command returns the
-    report's exit code, which :class:`Group` exits with."""
-    emit(json.dumps(document(report), indent=2) if as_json else text(report))
+def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True) -> int:
+    """Every command's end: the report as text or as its --json document (``note``: a line for
+    stderr, when the report has one), then each error it carries through :func:`handle` (the
+    change it reports stands); the command returns the report's exit code, which
+    :class:`Group` exits with."""
+    if as_json:
+        emit(json.dumps(document(report), indent=2))
+    else:
+        emit(text(report), nl=nl)
+    said = note(report) if note is not None else None
+    if said:
+        click.echo(said, err=True)
     ctx = click.get_current_context()
     for error in report.errors:
         error.invocation = invocation(ctx)
@@ -390,12 +397,7 @@ def diff(with_ids, python, source, force, **selectors):
     from sm120patch import pipeline, render
 
     report = pipeline.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
-    text = render.render_diff(report)
-    if text:
-        click.echo(text, nl=False)
-    else:
-        click.echo("sm120patch: nothing to apply: " + "; ".join(
-            f"{r.name} {r.version} is {'already patched' if r.plan else r.message}" for r in report.results), err=True)
+    return show(report, False, render.render_diff, note=render.diff_note, nl=False)
 
 
 @cli.command(short_help="Prove the patched state: hashes, semantics, runtime, compile, build.",
@@ -490,11 +492,11 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
 def export(source, out):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
-    from sm120patch import checkout, distributions, trees
+    from sm120patch import checkout, distributions, render, trees
+    from sm120patch.reports import ExportReport
 
     tree = trees.open_checkout(source, distributions.load_registry(full=False))
-    for path in checkout.export(tree, Path(out)):
-        click.echo(f"wrote {path}")
+    return show(ExportReport(checkout.export(tree, Path(out))), False, render.render_export)
 
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
@@ -506,6 +508,7 @@ def list_(python, as_json):
     """Every release sm120patch knows, its patches (required and opt-in), and the upstream fix.
     With --python: which release of each is installed there."""
     from sm120patch import distributions, environment, render
+    from sm120patch.reports import ListReport
 
     registry = distributions.load_registry(full=False)
     installed = target = None
@@ -513,8 +516,7 @@ def list_(python, as_json):
         env = environment.start_probe(python, registry.names).result(registry.wanted_rows)
         installed = {name: env.get(name) for name in registry.names if env.get(name) is not None}
         target = str(env.executable)
-    emit(json.dumps(render.list_json(registry, installed), indent=2) if as_json
-         else render.render_list(registry, installed, target))
+    return show(ListReport(registry, installed, target), as_json, render.render_list_report, render.list_report_json)
 
 
 @cli.group(short_help="Maintainers: build the vendor manifests, add a new upstream release.",
@@ -536,15 +538,13 @@ def manifest() -> None:
               help="Only this distribution's releases (repeatable; default: every one). vLLM's wheels are ~400 MB each.")
 def manifest_build(wheel_cache, out, check, names):
     """Download every pinned release's wheel and write (or compare) its manifest."""
-    from sm120patch import releases
+    from sm120patch import releases, render
     from sm120patch.progress import line_progress
+    from sm120patch.reports import ManifestReport
 
     result = releases.build_all(Path(wheel_cache) if wheel_cache else None, Path(out) if out else None,
                                 check=check, progress=line_progress(), names=names)
-    for path, same in result:
-        click.echo(f"{'ok     ' if same else 'DIFFERS'} {path}" if check else f"wrote {path}")
-    if check and not all(same for _, same in result):
-        sys.exit(int(ExitCode.NOT_OK))
+    return show(ManifestReport(result, check), False, render.render_manifests)
 
 
 @manifest.command("add", epilog=epilog(["sm120patch manifest add sglang 0.5.24",
@@ -568,9 +568,9 @@ def manifest_add(distribution, version, wheel, newer, check, wheel_cache):
     and the diff of each patched file. When no set fits, nothing is written and the evidence is
     printed: each rewriter's site count in this release, and what the nearest release has.
     """
-    from sm120patch import releases
+    from sm120patch import releases, render
     from sm120patch.progress import line_progress
-    from sm120patch.render import render_addition
+    from sm120patch.reports import AdditionReport
 
     if newer == bool(version):
         raise click.UsageError("give a VERSION or --newer (not both)" if newer else "give a VERSION, or --newer for every "
@@ -580,18 +580,12 @@ def manifest_add(distribution, version, wheel, newer, check, wheel_cache):
     cache = Path(wheel_cache) if wheel_cache else None
     if newer:
         results = releases.newer(distribution, check=check, wheel_cache=cache, progress=line_progress())
-        if not results:
-            click.echo(f"{distribution}: no release on the index is newer than the newest sm120patch knows")
     else:
         results = [releases.add(distribution, version, wheel=Path(wheel) if wheel else None, check=check,
                                 wheel_cache=cache)]
-    for index, result in enumerate(results):
-        click.echo(("\n" if index else "") + render_addition(result, check=check))
     missing = [r for r in results if not r.supported]
-    if missing:
-        raise releases.refusal(missing[0])
-    if check and any(r.outcome == "pinned" for r in results):
-        sys.exit(int(ExitCode.NOT_OK))
+    report = AdditionReport(distribution, results, check, newer, [releases.refusal(missing[0])] if missing else [])
+    return show(report, False, render.render_additions)
 
 
 def main() -> None:

@@ -361,6 +361,14 @@ def render_diff(report: ChangeReport) -> str:
     return "".join(r.diff(p) for r in report.results for p in (r.plan.files if r.plan else ()))
 
 
+def diff_note(report: ChangeReport) -> str | None:
+    """Said on stderr when there is no diff (stdout stays a patch file, empty)."""
+    if render_diff(report):
+        return None
+    return "sm120patch: nothing to apply: " + "; ".join(
+        f"{r.name} {r.version} is {'already patched' if r.plan else r.message}" for r in report.results)
+
+
 # -- list -----------------------------------------------------------------------------------------
 
 def _ranges(versions) -> str:
@@ -618,3 +626,26 @@ def bench_json(report: BenchReport) -> dict:
             "vllm": recommendation.vllm_text,
         },
     }
+
+
+def render_list_report(report) -> str:
+    return render_list(report.registry, report.installed, report.target)
+
+
+def list_report_json(report) -> dict:
+    return list_json(report.registry, report.installed)
+
+
+def render_export(report) -> str:
+    return "\n".join(f"wrote {path}" for path in report.written)
+
+
+def render_manifests(report) -> str:
+    return "\n".join(f"{'ok     ' if same else 'DIFFERS'} {path}" if report.check else f"wrote {path}"
+                     for path, same in report.results)
+
+
+def render_additions(report) -> str:
+    if report.newer and not report.results:
+        return f"{report.distribution}: no release on the index is newer than the newest sm120patch knows"
+    return "\n\n".join(render_addition(result, check=report.check) for result in report.results)

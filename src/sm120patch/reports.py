@@ -143,3 +143,52 @@ class ChangeReport:
         return bool(self.jit_removed or self.leftovers_removed or self.orphans_removed or self.recovery or any(b.compiled for b in self.builds)
                     or any((r.plan and not r.plan.empty) or r.commit or (r.undo and r.undo.changed)
                            for r in self.results))
+
+
+# -- list, export and the maintainer's commands ----------------------------------------------------
+
+class ListReport(NamedTuple):
+    """`list`: every release sm120patch knows; with --python, what is installed in the target."""
+
+    registry: object  # distributions.Registry
+    installed: Mapping[str, object] | None = None  # name -> the installed distribution (--python)
+    target: str | None = None
+    errors = ()
+    exit_code = ExitCode.OK
+
+
+class ExportReport(NamedTuple):
+    """`export`: the patch files written."""
+
+    written: Sequence[Path]
+    errors = ()
+    exit_code = ExitCode.OK
+
+
+class ManifestReport(NamedTuple):
+    """`manifest build`: each manifest written, or (``check``) whether the committed one is identical."""
+
+    results: Sequence[tuple[Path, bool]]
+    check: bool
+    errors = ()
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.NOT_OK if self.check and not all(same for _, same in self.results) else ExitCode.OK
+
+
+class AdditionReport(NamedTuple):
+    """`manifest add`: what was (``check``: would be) done for each release asked about; the
+    refusal when no set fits one of them."""
+
+    distribution: str
+    results: Sequence[object]  # releases.Addition
+    check: bool
+    newer: bool
+    errors: Sequence[Sm120PatchError] = ()
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.errors:
+            return self.errors[0].exit_code
+        return ExitCode.NOT_OK if self.check and any(r.outcome == "pinned" for r in self.results) else ExitCode.OK

@@ -213,7 +213,7 @@ class InstalledTree:
         data = self.state.saved_original(relpath, expected)
         if data is not None:
             return data, "saved original"
-        from sm120patch import manifests, wheels
+        from sm120patch import wheels
         from sm120patch.errors import Sm120PatchError
         from sm120patch.hashing import sha256
 
@@ -221,7 +221,7 @@ class InstalledTree:
         if wheel is None:
             return None
         try:
-            data, listed = manifests.wheel_file(wheel, relpath)
+            data, listed = wheels.wheel_file(wheel, relpath)
         except Sm120PatchError:
             return None
         return (data, f"release wheel {wheel.name}") if sha256(data) == expected == listed else None
