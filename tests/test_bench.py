@@ -17,6 +17,7 @@ from helpers import Session
 from sm120patch import bench
 from sm120patch.cli import cli
 from sm120patch.errors import CheckFailedError, ExitCode, RefusedError, TargetError, UsageError
+from sm120patch.render import bench_json, render_bench
 
 H200 = ("NVIDIA H200", 9, 0)
 RTX_PRO_6000 = ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 12, 0)
@@ -200,7 +201,7 @@ def test_a_crossover_limits_both_recommendations():
     rec = report.recommendation()
     assert rec.sglang is None and "at or below 64 tokens" in rec.sglang_text
     assert rec.vllm_max_size_mb == 0.5
-    assert "slower from 512 tokens (4 MiB)" in bench.render(report)
+    assert "slower from 512 tokens (4 MiB)" in render_bench(report)
 
 
 def test_slower_from_the_start_says_leave_it_off():
@@ -214,9 +215,9 @@ def test_the_recommendation_names_the_installed_servers_flag_and_bench_prints_it
     report.sglang_flag = "--flashinfer-allreduce-fusion-backend trtllm"  # what bench() sets for SGLang 0.5.14+
     assert report.recommendation().sglang_text.startswith("leave --flashinfer-allreduce-fusion-backend trtllm off")
     report.advice = [("sglang", "info", "pass --attention-backend flashinfer")]
-    lines = bench.render(report).splitlines()
+    lines = render_bench(report).splitlines()
     assert lines[-2:] == ["When you run the server:", "  note: pass --attention-backend flashinfer"]
-    assert bench.to_json(report)["advice"] == [{"distribution": "sglang", "level": "info",
+    assert bench_json(report)["advice"] == [{"distribution": "sglang", "level": "info",
                                                 "text": "pass --attention-backend flashinfer"}]
 
 
@@ -226,7 +227,7 @@ def test_a_failed_check_gives_no_recommendation_and_exit_1():
     assert report.recommendation() is None
     error = bench.failure(report)
     assert error.exit_code == 1 and "tokens 1, hidden 4096" in error.message and "3.5×" in error.message
-    assert "FAIL" in bench.render(report)
+    assert "FAIL" in render_bench(report)
 
 
 # -- the worker's arithmetic, in a real torch -----------------------------------------------
@@ -301,9 +302,9 @@ def test_the_report_names_the_server_path_the_workers_followed():
         {"server": "sglang 0.5.14 with flashinfer-python 0.6.12", "workspace": "unified", "preflight": "passed"},
         {"server": "sglang 0.5.9 with flashinfer-python 0.6.4", "workspace": "legacy", "preflight": None},
     ]
-    lines = bench.render(report).splitlines()
+    lines = render_bench(report).splitlines()
     assert ("server path: sglang 0.5.14 with flashinfer-python 0.6.12: FlashInfer's unified workspace created as the "
             "server creates it; its own preflight: passed") in lines
     assert ("server path: sglang 0.5.9 with flashinfer-python 0.6.4: the legacy call "
             "(trtllm_create_ipc_workspace_for_all_reduce_fusion), the one bench itself makes") in lines
-    assert bench.to_json(report)["server_paths"] == report.meta["server_paths"]
+    assert bench_json(report)["server_paths"] == report.meta["server_paths"]

@@ -24,11 +24,10 @@ from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, f
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
 from sm120patch.errors import UsageError
-from sm120patch.render import bench_json as to_json, render_bench as render
 
 __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Case", "Recommendation", "Series",
            "TargetInfo", "_classify", "_sglang_flag", "bench", "failure", "follow", "parse_int_list", "preflight",
-           "probe_target", "render", "run", "to_json"]
+           "probe_target", "run"]
 
 
 def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = None) -> BenchReport:
