@@ -21,6 +21,24 @@ def test_arch_lists_are_flashinfers_form(text, wanted):
     assert parse_arch(text) == wanted
 
 
+def test_a_missing_nm_or_compiler_for_the_stub_is_one_check_failure_not_an_os_error(tmp_path, monkeypatch):
+    """These run after apply's commit: an OSError there would be reported as "nothing was
+    changed", which is false then. Each is a failed check with what to install."""
+    from sm120patch.errors import CheckFailedError
+    from sm120patch.jitbuild import build_stub, driver_symbols
+
+    objects = tmp_path / "a.o"
+    objects.write_bytes(b"")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(CheckFailedError, match="nm: No such file or directory") as nm:
+        driver_symbols([objects])
+    assert "install binutils" in nm.value.hint
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(CheckFailedError, match="no-such-cc: No such file or directory") as cc:
+        build_stub(["cuInit"], tmp_path)
+    assert "install a C compiler" in cc.value.hint
+
+
 @pytest.mark.parametrize("text", ["", "12", "sm_120a", "12.0a;9.0a"])
 def test_a_bad_arch_list_is_a_usage_error(text):
     with pytest.raises(UsageError, match="not a list of compute capabilities"):

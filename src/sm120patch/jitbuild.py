@@ -276,8 +276,14 @@ def driver_symbols(objects: list[Path]) -> list[str]:
     """The CUDA driver functions ``objects`` call and do not define."""
     if not objects:
         return []
-    proc = subprocess.run(["nm", "--undefined-only", "--format=just-symbols", *map(str, objects)],
-                          capture_output=True, text=True, check=True)
+    try:
+        proc = subprocess.run(["nm", "--undefined-only", "--format=just-symbols", *map(str, objects)],
+                              capture_output=True, text=True)
+    except OSError as exc:  # after apply's commit: the patch stands, and the error must not say otherwise
+        raise CheckFailedError(f"cannot read which driver functions the objects call: nm: {exc.strerror}",
+                               hint="install binutils (it provides nm), then run the command again") from None
+    if proc.returncode:
+        raise CheckFailedError(f"nm could not read the objects: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     return sorted({name for name in proc.stdout.split() if _DRIVER_SYMBOL.match(name)})
 
 
@@ -289,8 +295,12 @@ def build_stub(symbols: list[str], directory: Path) -> Path:
                       + "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n" for name in symbols))
     library = directory / "libcuda.so"
     compiler = os.environ.get("CC", "cc")
-    proc = subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(library), str(source)],
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(library), str(source)],
+                              capture_output=True, text=True)
+    except OSError as exc:
+        raise CheckFailedError(f"could not build a libcuda stub for the link with {compiler}: {exc.strerror}",
+                               hint="install a C compiler (or set CC to one), then run the command again") from None
     if proc.returncode:
         raise CheckFailedError(f"could not build a libcuda stub for the link with {compiler}: "
                                f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
