@@ -234,15 +234,13 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
 
 
 def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True) -> int:
-    """Every command's end: the report as text or as its --json document (``note``: a line for
-    stderr, when the report has one), then each error it carries through :func:`handle` (the
-    change it reports stands); the command returns the report's exit code, which
-    :class:`Group` exits with."""
-    if as_json:
-        emit(json.dumps(document(report), indent=2))
-    else:
-        emit(text(report), nl=nl)
-    said = note(report) if note is not None else None
+    """Every command's end: the report as text or as its --json document (``note``: given the
+    report and its text, a line for stderr, or None), then each error it carries through
+    :func:`handle` (the change it reports stands); the command returns the report's exit code,
+    which :class:`Group` exits with."""
+    rendered = json.dumps(document(report), indent=2) if as_json else text(report)
+    emit(rendered, nl=nl or as_json)
+    said = note(report, rendered) if note is not None else None
     if said:
         click.echo(said, err=True)
     ctx = click.get_current_context()

@@ -7,25 +7,20 @@ import sys
 import click
 
 
-class BuildProgress:
-    """ninja's [n/m] steps as a progress bar with the elapsed time, on a terminal only."""
+class _Bar:
+    """A click progress bar on stderr, made when the first event needs it, closed on exit; on a
+    terminal only (``enabled``)."""
 
     def __init__(self, *, quiet: bool) -> None:
         self.enabled = not quiet and sys.stderr.isatty()
         self.bar = None
         self.done = 0
 
-    def __call__(self, line: str, step: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label="building trtllm_comm", file=sys.stderr, show_pos=True,
-                                         show_eta=True)
-            self.bar.__enter__()
-        self.bar.update(step - self.done)
-        self.done = step
+    def _open(self, **options) -> None:
+        self.bar = click.progressbar(file=sys.stderr, show_pos=True, **options)
+        self.bar.__enter__()
 
-    def __enter__(self) -> BuildProgress:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -34,13 +29,20 @@ class BuildProgress:
             self.bar = None
 
 
-class BenchProgress:
-    """bench's progress on a terminal: what is being loaded, then a bar over the shapes."""
+class BuildProgress(_Bar):
+    """ninja's [n/m] steps as a progress bar with the elapsed time, on a terminal only."""
 
-    def __init__(self, *, quiet: bool) -> None:
-        self.enabled = not quiet and sys.stderr.isatty()
-        self.bar = None
-        self.done = 0
+    def __call__(self, line: str, step: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self._open(length=total, label="building trtllm_comm", show_eta=True)
+        self.bar.update(step - self.done)
+        self.done = step
+
+
+class BenchProgress(_Bar):
+    """bench's progress on a terminal: what is being loaded, then a bar over the shapes."""
 
     def __call__(self, event: dict) -> None:
         if not self.enabled:
@@ -48,21 +50,11 @@ class BenchProgress:
         if event.get("event") == "stage":
             click.echo(f"sm120patch: {event['text']} ...", err=True)
         elif event.get("event") == "cases":
-            self.bar = click.progressbar(length=event["total"], label="checking and timing", file=sys.stderr,
-                                         show_pos=True, item_show_func=lambda item: item)
-            self.bar.__enter__()
+            self._open(length=event["total"], label="checking and timing", item_show_func=lambda item: item)
         elif event.get("event") == "case" and self.bar is not None:
             shape = f"tokens {event['tokens']}, hidden {event['hidden']}" if "tokens" in event else None
             self.bar.update(event["index"] - self.done, current_item=shape)
             self.done = event["index"]
-
-    def __enter__(self) -> BenchProgress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
 
 
 def line_progress(*, quiet: bool = False):

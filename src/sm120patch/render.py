@@ -361,9 +361,9 @@ def render_diff(report: ChangeReport) -> str:
     return "".join(r.diff(p) for r in report.results for p in (r.plan.files if r.plan else ()))
 
 
-def diff_note(report: ChangeReport) -> str | None:
+def diff_note(report: ChangeReport, diff: str) -> str | None:
     """Said on stderr when there is no diff (stdout stays a patch file, empty)."""
-    if render_diff(report):
+    if diff:
         return None
     return "sm120patch: nothing to apply: " + "; ".join(
         f"{r.name} {r.version} is {'already patched' if r.plan else r.message}" for r in report.results)
