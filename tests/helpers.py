@@ -115,12 +115,13 @@ class ServingEnv:
     def jit_entry(self, arch: str, module: str, version: str = FLASHINFER_VERSION) -> Path:
         return jit_entry_at(self.home, version, arch, module)
 
-    def seed_jit(self, archs=("90a", "90a_120a"), modules=("trtllm_comm", "norm")) -> None:
+    def seed_jit(self, archs=("90a", "90a_120a"), modules=("trtllm_comm", "norm"),
+                 version: str = FLASHINFER_VERSION) -> None:
         """JIT entries as a server leaves them (stand-in files, newer than the sources), with
         the lock file FlashInfer creates beside them (cached_ops/tmp/<module>.lock)."""
         for arch in archs:
             for module in modules:
-                entry = self.jit_entry(arch, module)
+                entry = self.jit_entry(arch, module, version)
                 entry.mkdir(parents=True, exist_ok=True)
                 (entry / f"{module}.so").write_bytes(b"\x7fELF")
                 (entry.parent / "tmp").mkdir(exist_ok=True)

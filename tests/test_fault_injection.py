@@ -31,7 +31,7 @@ from sm120patch.hashing import sha256
 from sm120patch.manifests import load_manifest
 from sm120patch.state import TEMPORARY
 from toy import FILES as TOY_FILES
-from toy import install, make_data, make_wheel
+from toy import make_data, make_install, make_wheel
 
 STRACE = shutil.which("strace")
 
@@ -74,15 +74,8 @@ class Sandbox:
         return dict(os.environ, PYTHONDONTWRITEBYTECODE="1", SM120PATCH_DATA_DIR=str(self.data))
 
     def seed_jit(self) -> None:
-        """JIT entries as a server leaves them (stand-in files, newer than the sources), with the
-        lock file FlashInfer creates beside them, for the kernels' module and another."""
-        for arch in ("90a", "90a_120a"):
-            for module in (MODULE, "norm"):
-                entry = jit_entry_at(self.env.home, VERSION, arch, module)
-                entry.mkdir(parents=True, exist_ok=True)
-                (entry / f"{module}.so").write_bytes(b"\x7fELF")
-                (entry.parent / "tmp").mkdir(exist_ok=True)
-                (entry.parent / "tmp" / f"{module}.lock").touch()
+        """JIT entries as a server leaves them, for the kernels' module and another."""
+        self.env.seed_jit(modules=(MODULE, "norm"), version=VERSION)
 
     def reset(self, *, patched: bool) -> None:
         """Pristine, or patched as this sandbox's own apply left it: applied once, then its files
@@ -184,10 +177,7 @@ def sandboxes(toy_data, tmp_path):
     boxes = []
     for i in range(WORKERS):
         root = tmp_path / f"box{i}" / "venv"
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-        site = next((root / "lib").glob("python3*/site-packages"))
-        for name in TOY_FILES:
-            install(site, make_wheel(wheels, VERSION, name=name))
+        make_install(root, [make_wheel(wheels, VERSION, name=name) for name in TOY_FILES])
         (root.parent / "home").mkdir()
         boxes.append(Sandbox(ServingEnv(root, root.parent / "home"), pristine, toy_data))
     return boxes

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
 from sm120patch.render import render_change, render_status
-from toy import SOURCE, install, make_data, make_wheel
+from toy import SOURCE, make_data, make_install, make_wheel
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
@@ -32,9 +30,7 @@ def toy(data_dir, tmp_path, monkeypatch):
     """A bare venv with toyfuse 1.0 unpacked into its site-packages, as an installer would."""
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_dir))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    install(site, make_wheel(tmp_path, "1.0"))
+    site = make_install(venv, [make_wheel(tmp_path, "1.0")])
     home = tmp_path / "home"
     home.mkdir()
     return Toy(venv, site, home, load_registry(data_dir / "patches"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import io
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -110,3 +112,12 @@ def install(site: Path, wheel: Path) -> None:
         archive.extractall(site)
         dist_info = next(n.split("/")[0] for n in archive.namelist() if n.split("/")[0].endswith(".dist-info"))
     (site / dist_info / "INSTALLER").write_text("pip\n")
+
+
+def make_install(venv: Path, wheels: list[Path]) -> Path:
+    """A bare venv at ``venv`` with ``wheels`` installed as an installer would; its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for wheel in wheels:
+        install(site, wheel)
+    return site
