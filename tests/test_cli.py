@@ -141,7 +141,9 @@ def test_apply_json_is_a_document_that_matches_the_files(sm120patch, serving_env
     assert [r["name"] for r in doc["results"]] == ["flashinfer-python", "sglang"]
     files = {f["file"]: f for f in doc["results"][0]["files"]}
     assert set(files) == {COMM, "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
-                          "flashinfer/data/csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py"}
+                          "flashinfer/data/csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py",
+                          "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh",
+                          "flashinfer/data/include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"}
     import hashlib
 
     assert files[COMM]["after"] == hashlib.sha256(serving_env.file(COMM).read_bytes()).hexdigest()
@@ -174,5 +176,5 @@ def test_list_shows_every_distribution_and_json_agrees():
     assert "flashinfer-python" in text.output and "sglang" in text.output and "0.6.17" in text.output
     doc = json.loads(run_cli("list", "--json").output)
     assert set(doc) >= {"flashinfer-python", "sglang"}
-    assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.0.toml"
+    assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.4.toml"
     assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem"]

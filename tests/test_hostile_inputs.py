@@ -4,6 +4,8 @@ and after)."""
 
 from __future__ import annotations
 
+import re
+
 import os
 import shutil
 import subprocess
@@ -23,7 +25,8 @@ def test_a_deleted_target_file(sm120patch, serving_env):
     serving_env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
     before = snapshot(serving_env)
     status = sm120patch("status")
-    assert status.exit_code == ExitCode.REFUSED and "pdl-gates          missing" in status.output
+    assert status.exit_code == ExitCode.REFUSED and re.search(r"pdl-gates +missing", status.output)
+    assert re.search(r"cluster-clamp-custom +missing", status.output)  # the header's other patch
     result = sm120patch("apply")
     assert result.exit_code == ExitCode.REFUSED
     one_clear_error(result.output, "trtllm_allreduce.cuh is missing")
@@ -86,11 +89,11 @@ def write_data_dir(tmp_path: Path, toml_text: str) -> Path:
     data = tmp_path / "data"
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
     shutil.copytree(ROOT / "patches", data / "patches")
-    (data / "patches" / "flashinfer-python" / "0.6.0.toml").write_text(toml_text)
+    (data / "patches" / "flashinfer-python" / "0.6.4.toml").write_text(toml_text)
     return data
 
 
-SET = ROOT / "patches" / "flashinfer-python" / "0.6.0.toml"
+SET = ROOT / "patches" / "flashinfer-python" / "0.6.4.toml"
 
 
 @pytest.mark.parametrize("mangle, message", [

@@ -40,11 +40,16 @@ def test_shipped_patch_sets_pin_the_core_releases():
     registry = load_registry()
     flashinfer = registry.get("flashinfer-python").find(Version("0.6.4"))
     sglang = registry.get("sglang").find(Version("0.5.9"))
-    assert [p.id for p in flashinfer.patches] == ["jit-gate", "pdl-gates", "lamport-stride", "unicast-workspace"]
-    assert all(p.required and p.fixed_in == "0.6.17" and "3903" in p.upstream for p in flashinfer.patches[:3])
+    assert [p.id for p in flashinfer.patches] == ["jit-gate", "pdl-gates", "lamport-stride", "unicast-workspace",
+                                                  "cluster-clamp", "cluster-clamp-moe", "cluster-clamp-custom"]
+    upstream_3903 = [p for p in flashinfer.patches if p.id != "unicast-workspace"]
+    assert all(p.required and p.fixed_in == "0.6.17" and "3903" in p.upstream for p in upstream_3903)
     unicast = flashinfer.patch("unicast-workspace")
     assert unicast.required and unicast.fixed_in == "0.6.15" and "3745" in unicast.upstream
     assert flashinfer.patch("pdl-gates").edits[0].sites == 13
+    # The clamp's three launchers: the fused, the MoE and the custom allreduce's, each a header.
+    clamps = [flashinfer.patch(i) for i in ("cluster-clamp", "cluster-clamp-moe", "cluster-clamp-custom")]
+    assert len({p.file for p in clamps}) == 3 and all(p.check == "cluster-clamp" for p in clamps)
     assert [(p.id, p.required) for p in sglang.patches] == [
         ("fusion-gate", True), ("auto-enable", False), ("symm-mem", False)
     ]

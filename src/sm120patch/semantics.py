@@ -62,6 +62,19 @@ def lamport_stride(text: str) -> tuple[bool, str]:
     return by_tp == 0 and by_max == 2, f"lamport slots at stride tp_size: {by_tp}, at MAX_RANKS_PER_NODE: {by_max}"
 
 
+@check("cluster-clamp")
+def cluster_clamp(text: str) -> tuple[bool, str]:
+    """Every launcher of the file sizes its thread-block cluster by what the device can launch
+    (``GetMaxClusterSize``, over cudaOccupancyMaxPotentialClusterSize) instead of a fixed 8: no
+    fixed size is left and at least one launch site is clamped. Upstream's 0.6.17 form passes."""
+    fixed = (len(re.findall(r"\bcluster_size = 8;", text))
+             + len(re.findall(r"cluster_size > 8\) cluster_size = 8;", text))
+             + len(re.findall(r"int cluster_size = std::min\([^;]*details::kClusterMaxSize\);", text)))
+    clamped = len(re.findall(r"GetMaxClusterSize\(\s*reinterpret_cast", text))
+    return fixed == 0 and clamped > 0, (f"{fixed} fixed cluster size(s) left, {clamped} launch(es) clamped to the "
+                                        f"largest cluster the device can launch")
+
+
 @check("fusion-gate")
 def fusion_gate(text: str) -> tuple[bool, str]:
     """Some ``or`` in the module accepts an SM120 flag beside the SM100 one, and that flag is
