@@ -23,6 +23,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -40,12 +41,39 @@ WRITE_SYSCALLS = (
     "write,pwrite64,openat,rename,renameat,renameat2,unlink,unlinkat,rmdir,mkdir,mkdirat,link,linkat,"
     "symlink,symlinkat,fsync,fdatasync,ftruncate,fchmod,fchmodat,chmod,fchown,fchownat"
 )
-TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)$")
+TRACE_LINE = re.compile(r"^(?P<syscall>\w+)\((?P<args>.*)\) += .*$")
+PATH_ARG = re.compile(r'"((?:[^"\\]|\\.)*)"|<([^<>]*)>')  # a string argument, or the path strace -y gives an fd
+RUN = "fa17fa17fa17"  # the run id of every traced run (transaction.new_run)
 FILES = {relpath: name for name, (relpath, _) in TOY_FILES.items()}  # relpath -> distribution
 KERNELS, MODULE, VERSION = "toyfuse", "toy_comm", "1.0"  # the distribution with a JIT module, and it
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 OPPOSITE = {"apply": "revert", "revert": "apply"}
 STATE_OF = {"apply": "patched", "revert": "pristine"}
+
+
+class Point(NamedTuple):
+    """The n-th call of ``syscall`` that names ``path`` (in any argument, as strace's -P
+    matches): what a fault is aimed at. ``path`` is a :func:`template`."""
+
+    syscall: str
+    path: str
+    n: int
+    args: str  # the call as the traced run made it (for covers and messages)
+
+    def __str__(self) -> str:
+        return f"{self.syscall} #{self.n} on {self.path.format(base='...', pid='<pid>')}"
+
+
+def paths_in(args: str) -> list[str]:
+    return [m[1] if m[1] is not None else m[2] for m in PATH_ARG.finditer(args)]
+
+
+def template(path: str, base: str, pid: int) -> str:
+    """``path`` with the sandbox's directory as ``{base}`` (each worker has its own) and the pid
+    in a temporary file's name (fileops.temporary) as ``{pid}``."""
+    path = path.replace("{", "{{").replace("}", "}}").replace(f".sm120patch-{pid}.", ".sm120patch-{pid}.")
+    assert path.startswith(base + "/"), path
+    return "{base}" + path[len(base):]
 
 
 @dataclass
@@ -58,8 +86,13 @@ class Sandbox:
     patched: dict[str, bytes] | None = None  # the files after this sandbox's own first apply
 
     @property
+    def base(self) -> Path:
+        """The sandbox's directory: its environment (venv/), JIT cache base (home/) and traces."""
+        return self.env.root.parent
+
+    @property
     def saved_state(self):
-        return self.env.root.parent / "patched-state"
+        return self.base / "patched-state"
 
     @property
     def journal(self):
@@ -68,10 +101,6 @@ class Sandbox:
     def argv(self, command: str) -> list[str]:
         return [sys.executable, "-m", "sm120patch", command, "--python", str(self.env.python),
                 "--jit-cache-base", str(self.env.home)]
-
-    def environ(self) -> dict[str, str]:
-        # No .pyc writes: the traced runs must make the same calls every time.
-        return dict(os.environ, PYTHONDONTWRITEBYTECODE="1", SM120PATCH_DATA_DIR=str(self.data))
 
     def seed_jit(self) -> None:
         """JIT entries as a server leaves them, for the kernels' module and another."""
@@ -94,27 +123,55 @@ class Sandbox:
             shutil.copytree(self.saved_state, self.env.state_root, symlinks=True)
         self.seed_jit()  # entries as a server built them, from the sources as they are now
 
-    def points(self, command: str) -> list[tuple[str, int, str]]:
-        """(syscall, n, args): the n-th call of that syscall touched the environment or its cache."""
-        trace = self.env.root.parent / f"trace-{command}.txt"
-        subprocess.run([STRACE, "-qq", "-y", "-o", str(trace), "-e", f"trace={WRITE_SYSCALLS}", *self.argv(command)],
-                       check=True, capture_output=True, env=self.environ())
-        counts: dict[str, int] = {}
-        points = []
+    def points(self, command: str) -> list[Point]:
+        """Every write-related call of one run that touches the environment or its cache, each
+        named by what it hits: its syscall, the first of its paths there, and how many calls of
+        that syscall had named that path before (the interpreter's own calls, which vary with
+        bytecode caches and the like, never name these paths)."""
+        trace = self.base / f"trace-{command}.txt"
+        proc, pid = self.traced(command, lambda pid: ["-y", "-o", str(trace), "-e", f"trace={WRITE_SYSCALLS}"])
+        assert proc.returncode == 0, f"the traced {command} failed: {proc.stderr}"
         roots = (str(self.env.root), str(self.env.home))
+        seen: dict[tuple[str, str], int] = {}
+        points = []
         for line in trace.read_text().splitlines():
             match = TRACE_LINE.match(line)
             if not match:
                 continue
-            syscall = match["syscall"]
-            counts[syscall] = counts.get(syscall, 0) + 1
-            args = match["args"]
-            if not any(root in args for root in roots):
+            syscall, args = match["syscall"], match["args"]
+            paths = [p for p in paths_in(args) if p.startswith(roots)]
+            for path in dict.fromkeys(paths):  # strace's -P matches a call naming the path in any argument
+                seen[syscall, path] = seen.get((syscall, path), 0) + 1
+            if not paths or syscall == "openat" and not re.search(r"O_WRONLY|O_RDWR|O_CREAT", args):
                 continue
-            if syscall == "openat" and not re.search(r"O_WRONLY|O_RDWR|O_CREAT", args):
-                continue
-            points.append((syscall, counts[syscall], args))
+            points.append(Point(syscall, template(paths[0], str(self.base), pid), seen[syscall, paths[0]], args))
         return points
+
+    def environ(self, *, run: str | None = None) -> dict[str, str]:
+        # No .pyc writes: a traced run is the same run each time. The run's id (transaction.new_run)
+        # fixes the paths of its stash and of the JIT entries it moves aside.
+        extra = {"SM120PATCH_RUN_ID": run} if run else {}
+        return dict(os.environ, PYTHONDONTWRITEBYTECODE="1", SM120PATCH_DATA_DIR=str(self.data), **extra)
+
+    def traced(self, command: str, strace_args) -> tuple[subprocess.CompletedProcess, int]:
+        """The command under strace, its run id :data:`RUN`, strace attached before it starts:
+        it waits for a line on stdin, then execs (keeping its pid, which names its temporary
+        files), so ``strace_args(pid)`` can name the paths of that run."""
+        proc = subprocess.Popen(["sh", "-c", 'read _ && exec "$@"', "sh", *self.argv(command)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.environ(run=RUN))
+        tracer = subprocess.Popen([STRACE, *strace_args(proc.pid), "-p", str(proc.pid)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            attached = tracer.stderr.readline()  # strace says so once the process is traced
+            assert attached.endswith(f"Process {proc.pid} attached\n"), f"strace did not attach: {attached}"
+            stdout, stderr = proc.communicate("\n", timeout=120)
+            tracer.communicate(timeout=60)
+        finally:
+            for process in (proc, tracer):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid
 
     def run(self, command: str) -> subprocess.CompletedProcess:
         """The command as a user runs it (a process of its own: the workers run in threads)."""
@@ -123,12 +180,18 @@ class Sandbox:
             assert proc.returncode == 0, f"{command} failed: {proc.stderr}"
         return proc
 
-    def run_injected(self, command: str, syscall: str, n: int, action: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [STRACE, "-qq", "-o", "/dev/null", "-e", f"trace={syscall}", "-e", f"inject={syscall}:{action}:when={n}",
-             *self.argv(command)],
-            capture_output=True, text=True, env=self.environ(),
-        )
+    def run_injected(self, command: str, point: Point, action: str) -> subprocess.CompletedProcess:
+        """The command with ``action`` at ``point``: strace sees only that syscall on that path
+        (``-P``), so its ``when`` counts the calls that name the path, as :meth:`points` did.
+        A point the run does not reach fails here (no call of this run made it differently)."""
+        trace = self.base / "trace-injected.txt"
+        proc, pid = self.traced(command, lambda pid: [
+            "-o", str(trace), "-P", point.path.format(base=self.base, pid=pid), "-e", f"trace={point.syscall}",
+            "-e", f"inject={point.syscall}:{action}:when={point.n}"])
+        calls = [line for line in trace.read_text().splitlines() if line.startswith(f"{point.syscall}(")]
+        assert len(calls) >= point.n, \
+            f"not reached: the run made {len(calls)} such calls (exit {proc.returncode}: {proc.stderr})"
+        return proc
 
     def temporaries(self) -> list[str]:
         """The temporary files of sm120patch's writes (``.<name>.sm120patch-<pid>.tmp``) anywhere
@@ -194,7 +257,7 @@ def spread(boxes: list[Sandbox], points: list, work) -> list[str]:
             try:
                 work(box, index, point)
             except AssertionError as exc:
-                failures.append(f"{point[:2]}: {exc}")
+                failures.append(f"{point}: {exc}")
         return failures
 
     with ThreadPoolExecutor(len(boxes)) as pool:
@@ -204,7 +267,7 @@ def spread(boxes: list[Sandbox], points: list, work) -> list[str]:
 def covers(points: list, command: str) -> None:
     """The traced run wrote every kind of thing a run writes: losing a class of kill points
     fails here, not silently."""
-    touched = " ".join(args for _, _, args in points)
+    touched = " ".join(point.args for point in points)
     wanted = ["journal.json", "/stash/", MODULE, "sm120patch-aside", *FILES]
     wanted += ["/originals/", "ledger.json"] if command == "apply" else []
     missing = [w for w in wanted if w not in touched]
@@ -218,15 +281,14 @@ def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, reco
     covers(points, command)
     # A kill at an fsync leaves the files as a kill at the next point does (without a power
     # loss an fsync changes nothing one can read): one run covers both.
-    points = [p for p in points if p[0] not in ("fsync", "fdatasync")]
+    points = [p for p in points if p.syscall not in ("fsync", "fdatasync")]
     built_for = "patched" if before else "pristine"
 
     def kill_at(box: Sandbox, index: int, point) -> None:
-        syscall, n, _ = point
         box.reset(patched=before)
-        proc = box.run_injected(command, syscall, n, "signal=KILL")
-        assert proc.returncode in (-9, 137), f"not killed (exit {proc.returncode}): the point was not reached"
-        where = f"killed at {syscall} #{n}"
+        proc = box.run_injected(command, point, "signal=KILL")
+        assert proc.returncode == -9, f"not killed (exit {proc.returncode}): {proc.stderr}"
+        where = f"killed at {point}"
         box.check_consistent(where, built_for)
         status = box.run("status")
         if box.journal.exists():  # interrupted: status says so, exit 3
@@ -250,17 +312,16 @@ def test_sigkill_at_every_write_related_syscall(sandboxes, command, before, reco
 @pytest.mark.parametrize("command, before", [("apply", False), ("revert", True)])
 def test_enospc_and_eio_on_every_write_and_rename_change_nothing(sandboxes, command, before, record_property):
     sandboxes[0].reset(patched=before)
-    points = [(s, n, "error=ENOSPC" if s.startswith("write") or s == "pwrite64" else "error=EIO")
-              for s, n, _ in sandboxes[0].points(command)
-              if s in ("write", "pwrite64", "rename", "renameat", "renameat2", "link", "linkat")]
-    assert {s for s, _, _ in points} >= {"write", "rename"}, points
+    points = [p for p in sandboxes[0].points(command)
+              if p.syscall in ("write", "pwrite64", "rename", "renameat", "renameat2", "link", "linkat")]
+    assert {p.syscall for p in points} >= {"write", "rename"}, points
 
-    def fail_at(box: Sandbox, index: int, point) -> None:
-        syscall, n, action = point
+    def fail_at(box: Sandbox, index: int, point: Point) -> None:
+        action = "error=ENOSPC" if point.syscall in ("write", "pwrite64") else "error=EIO"
         box.reset(patched=before)
         before_snapshot = snapshot(box.env)
-        proc = box.run_injected(command, syscall, n, action)
-        where = f"{action} at {syscall} #{n}"
+        proc = box.run_injected(command, point, action)
+        where = f"{action} at {point}"
         assert proc.returncode == 4, f"{where}: exit {proc.returncode}: {proc.stderr}"
         assert "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
         assert proc.stderr.startswith("sm120patch: error: "), f"{where}: {proc.stderr}"
@@ -292,11 +353,10 @@ def test_a_signal_at_every_write_related_syscall_ends_in_one_state_and_says_whic
     start = "patched" if before else "pristine"
 
     def signal_at(box: Sandbox, index: int, point) -> None:
-        syscall, n, _ = point
         name, code = SIGNALS[index % len(SIGNALS)]
         box.reset(patched=before)
-        proc = box.run_injected(command, syscall, n, f"signal={name}")
-        where = f"SIG{name} at {syscall} #{n}"
+        proc = box.run_injected(command, point, f"signal={name}")
+        where = f"SIG{name} at {point}"
         states = set(box.check_consistent(where, built_for).values())
         assert "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
         if states == {STATE_OF[command]} and states != {start}:  # the change was made: it says so

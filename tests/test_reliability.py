@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_FILES, ROOT, changed, make_venv, run_cli, snapshot
+from helpers import FLASHINFER_FILES, ROOT, changed, make_venv, need, run_cli, snapshot
 from sm120patch.environment import Environment, InstalledDistribution, start_probe
 from sm120patch.errors import ExitCode
 from sm120patch.trees import InstalledTree
@@ -113,26 +116,77 @@ def test_metadata_without_a_version_is_one_line_with_the_reinstall(toy, shell):
     assert changed(before, toy.snapshot()) == []
 
 
-def test_ctrl_c_while_starting_is_one_line_never_a_traceback():
-    """Ctrl-C at 60 moments of start-up. Before sm120patch's first line runs, the interpreter's
-    own start-up answers (CPython prints what it prints there, or dies of the signal); from that
-    line on: one line, exit 130 (or death by SIGINT once the line is out), never a traceback of
-    ours, never a signal dropped in a finalizer ("Exception ignored")."""
+STRACE = shutil.which("strace")
+PACKAGE = Path(sys.modules["sm120patch"].__file__).parent  # (sm120patch here is a function)
+HANDLER_CALLS = ("rt_sigaction", "rt_sigprocmask")
+ADDRESS = re.compile(r"0x[0-9a-f]+")
+
+
+def startup_moments() -> list[tuple[str, str | None, int, str]]:
+    """The moments of ``python -m sm120patch list`` a Ctrl-C is sent at, each named by what the
+    process does there: (syscall, path or None, n, the call). Every change of a signal handler
+    or of the signal mask (the interpreter's, main()'s, the CLI's, the finalizer's: the n-th
+    call of its syscall, which only the interpreter and sm120patch make, in a fixed order), and
+    the first stat of each of sm120patch's modules as it is imported (by path)."""
+    trace = subprocess.run([STRACE, "-o", "/dev/stdout", "-e", f"trace={','.join(HANDLER_CALLS)},%%stat",
+                            sys.executable, "-m", "sm120patch", "list"], capture_output=True, text=True, check=True).stdout
+    moments, counts, stated = [], {}, set()
+    for line in trace.splitlines():
+        syscall = line.partition("(")[0]
+        counts[syscall] = counts.get(syscall, 0) + 1
+        if syscall in HANDLER_CALLS:
+            if syscall == "rt_sigprocmask" or ", NULL, " not in line:  # a query changes nothing
+                moments.append((syscall, None, counts[syscall], ADDRESS.sub("ADDR", line)))
+            continue
+        path = line.split('"')[1] if '"' in line else ""
+        if path.startswith(f"{PACKAGE}/") and path.endswith(".py") and path not in stated:
+            stated.add(path)
+            moments.append((syscall, path, 1, line))
+    return moments
+
+
+def test_ctrl_c_while_starting_is_one_line_never_a_traceback(tmp_path):
+    """Ctrl-C, from strace, at every moment of start-up and exit where a signal handler or the
+    signal mask changes, and as each of sm120patch's modules is imported. Before sm120patch's
+    first line runs, the interpreter's own start-up answers (CPython prints what it prints
+    there, or dies of the signal); from that line on: one line, exit 130 (or death by SIGINT
+    once the line is out, or as the interpreter finalizes), never a traceback of ours, never a
+    signal dropped in a finalizer ("Exception ignored"). Each moment is reached in the run
+    that is sent the signal (its own trace says so), so none is skipped for a shorter run."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    moments = startup_moments()
+    imports = [m for m in moments if m[1] is not None and Path(m[1]).name not in ("__init__.py", "__main__.py")]
+    assert len(imports) >= 10 and sum(m[0] == "rt_sigprocmask" for m in moments) >= 2, moments
+
+    def interrupt_at(index: int) -> tuple[int, str] | str:
+        syscall, path, n, call = moments[index]
+        trace = tmp_path / f"trace-{index}.txt"
+        where = ["-P", path] if path else []
+        proc = subprocess.run([STRACE, "-o", str(trace), *where, "-e", f"trace={syscall}", "-e",
+                               f"inject={syscall}:signal=INT:when={n}", sys.executable, "-m", "sm120patch", "list"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+        calls = [line for line in trace.read_text().splitlines() if line.startswith(f"{syscall}(")]
+        if len(calls) < n or (path is None and ADDRESS.sub("ADDR", calls[n - 1]) != call):
+            return f"{call}: not the call the signal was sent at: {calls[n - 1:n]}"
+        return proc.returncode, proc.stderr
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(interrupt_at, range(len(moments))))
     ours = 0
-    for step in range(60):
-        proc = subprocess.Popen([sys.executable, "-m", "sm120patch", "list"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        time.sleep(step * 0.0025)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+    for (syscall, path, n, call), result in zip(moments, results):
+        assert not isinstance(result, str), result
+        returncode, stderr = result
         frames = [line for line in stderr.splitlines() if line.strip().startswith("File ")]
-        assert not any("sm120patch" in line for line in frames), stderr
-        assert "Exception ignored" not in stderr, stderr
+        assert not any("sm120patch" in line for line in frames), (call, stderr)
+        assert "Exception ignored" not in stderr, (call, stderr)
         if stderr.startswith("sm120patch:"):
             ours += 1
-            assert stderr.count("\n") == 1 and "interrupted (SIGINT)" in stderr, stderr
-            assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, stderr)
-    assert ours > 0  # some of the moments were sm120patch's own
+            assert stderr.count("\n") == 1 and "interrupted (SIGINT)" in stderr, (call, stderr)
+            assert returncode in (130, -signal.SIGINT), (call, returncode, stderr)
+        if (syscall, path, n, call) in imports:  # in sm120patch's own code: its line, every time
+            assert returncode == 130 and stderr.startswith("sm120patch: interrupted (SIGINT)"), (call, returncode, stderr)
+    print(f"\nSIGINT at {len(moments)} moments of start-up: {ours} answered with sm120patch's line")
+    assert ours > len(imports)  # the handlers' moments too, not only the imports
 
 
 def test_a_python_that_never_answers_is_killed_with_what_it_started(tmp_path):

@@ -5,21 +5,51 @@ of thousands of objects made then (modules, classes, functions) live until exit,
 collector's passes over them, during the imports and once more at exit, cost a tenth of
 ``status`` (docs/benchmarks.md). They are frozen, so no later pass looks at them again; the
 command itself runs with the collector on.
+
+SIGINT, SIGTERM and SIGHUP are blocked from this module's first line (``python -m``; the
+console script: from main()'s) until main()'s handlers are in place: a signal that comes in
+between waits and is raised where main() catches it, never in a line no handler covers. From
+then on one signal ends the start-up (one line, 128 + the signal); a second one, and one that
+comes after the command has finished (while the exit unwinds, while the interpreter
+finalizes), is only noted.
 """
 
-try:  # a Ctrl-C this early lands in these imports: one line, as later
-    import gc
-    import signal
-    import sys
-except KeyboardInterrupt:
-    import os
+if __name__ == "__main__":  # python -m sm120patch: before anything else (the console script: main())
+    try:  # SIGINT, SIGTERM and SIGHUP wait, blocked, until main() has its handlers in place
+        import _signal
 
-    os.write(2, b"sm120patch: interrupted (SIGINT) while starting; nothing was changed\n")
-    os._exit(130)
+        _MASK = _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP))
+    except KeyboardInterrupt:  # one that came before the first line, raised there
+        import os
+
+        os.write(2, b"sm120patch: interrupted (SIGINT) while starting; nothing was changed\n")
+        os._exit(130)
+else:
+    _MASK = None
+
+import gc
+import signal
+import sys
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _before_start(signum, frame) -> None:  # noqa: ARG001
-    raise KeyboardInterrupt(signum)
+class _Starting:
+    """main()'s handler until the CLI's (signals.handled) take over, and again after they
+    give back: the first signal of the start-up is raised (a KeyboardInterrupt, caught by main);
+    any later one, and any after the command has finished, is only noted, so that nothing is
+    raised where no one catches it (while the exit unwinds, or the interpreter finalizes)."""
+
+    raising = True
+    noted: list = []
+
+
+def _starting(signum, frame) -> None:  # noqa: ARG001
+    signals = sys.modules.get("sm120patch.signals")
+    if _Starting.raising and not (signals is not None and signals.STATE.finished):
+        _Starting.raising = False
+        raise KeyboardInterrupt(signum)
+    _Starting.noted.append(signum)
 
 
 _DROPPED: list = []  # signals a finalizer dropped while sm120patch imported itself
@@ -58,12 +88,18 @@ def _interrupted(signum: int) -> None:
 
 
 def main() -> None:
+    global _MASK
+    if _MASK is None:  # the console script: its module was imported, not run
+        _MASK = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
     # Until the CLI installs its own handlers (signals.py), a signal means nothing was begun.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _before_start)
+    # They are set while the signals are blocked: one that came meanwhile is raised when they
+    # are unblocked, inside the try below.
+    for signum in HANDLED:
+        signal.signal(signum, _starting)
     sys.unraisablehook = _dropped
     gc.disable()
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
         from sm120patch.cli import main as run
     except BaseException as exc:  # noqa: BLE001 - only an interrupt is ours to explain
         interrupt = _interrupt(exc)
@@ -80,6 +116,8 @@ def main() -> None:
         from sm120patch import signals
 
         interrupt = None if isinstance(exc, SystemExit) else _interrupt(exc)
+        if interrupt is None and _Starting.noted and signals.STATE.finished:
+            interrupt = KeyboardInterrupt(_Starting.noted[0])  # it came as the command exited
         if interrupt is None:
             raise
         if not signals.STATE.finished:  # before the command began (its handlers not yet in place)
