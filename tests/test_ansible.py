@@ -139,7 +139,7 @@ def test_the_module_documentation_matches_its_arguments(ansible, tmp_path):
     """ansible-doc parses DOCUMENTATION; its options are exactly the module's arguments."""
     import ast
 
-    for name in ("patch", "status"):
+    for name in ("patch", "status", "check_log"):
         proc = subprocess.run([str(ansible / "ansible-doc"), "-t", "module", "--json", f"sm120patch.fleet.{name}"],
                               capture_output=True, text=True, env=ansible_env(ansible, tmp_path))
         assert proc.returncode == 0, proc.stderr
@@ -147,3 +147,22 @@ def test_the_module_documentation_matches_its_arguments(ansible, tmp_path):
         source = (COLLECTION / "plugins" / "modules" / f"{name}.py").read_text()
         spec = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.keyword) and n.arg == "argument_spec")
         assert documented == {ast.literal_eval(k) for k in spec.value.keys}, name
+
+
+def test_check_log_module_waits_for_the_verdict(ansible, tmp_path):
+    """The module on a real SGLang 0.5.9 log shape: fused passes with the verdict; a log that
+    only starts fails with exit code 5 once its timeout passed."""
+    log = tmp_path / "sglang.log"
+    log.write_text("[2026-01-01 00:00:00] server_args=ServerArgs(tp_size=2, enable_flashinfer_allreduce_fusion=True)\n"
+                   "[2026-01-01 00:00:01 TP0] FlashInfer workspace initialized for rank 0, world_size 2\n"
+                   "[2026-01-01 00:00:01 TP1] FlashInfer workspace initialized for rank 1, world_size 2\n"
+                   "[2026-01-01 00:00:02] The server is fired up and ready to roll!\n")
+    starting = tmp_path / "starting.log"
+    starting.write_text("[2026-01-01 00:00:00 TP0] Load weight begin. avail mem=90.00 GB\n")
+    task = {"sm120patch.fleet.check_log": {"log": str(log), "version": "0.5.9", "server": "sglang",
+                                           "executable": str(SM120PATCH), "timeout": 30}}
+    waiting = {"sm120patch.fleet.check_log": {"log": str(starting), "server": "sglang",
+                                              "executable": str(SM120PATCH), "timeout": 1}}
+    fused, still = results(play(ansible, tmp_path, [task, waiting]))
+    assert fused["verdict"] == "fused" and fused["exit_code"] == 0 and not fused.get("failed"), fused
+    assert still["failed"] is True and still["exit_code"] == 5 and still["verdict"] == "starting", still

@@ -483,6 +483,42 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
     return show(report, as_json, render.render_bench, render.bench_json)
 
 
+@cli.command("check-log", short_help="Read a server's log: did it really fuse, fall back, crash, or is it starting?",
+             epilog=epilog(["sm120patch check-log /var/log/sglang.log --version 0.5.9",
+                            "sm120patch check-log server.log --python ~/ml-env/bin/python3",
+                            "sm120patch check-log /var/log/vllm.log --follow --timeout 900 --json",
+                            "journalctl -u sglang -o cat | sm120patch check-log - --server sglang"],
+                           [(0, "fused: FlashInfer's workspace was created on every rank"),
+                            (1, "fell back to unfused allreduce, not requested, or crashed (it says which, the "
+                                "chain step and the fix)"),
+                            (2, "bad input: an option, a missing file (without --follow), a --python without the server"),
+                            (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
+                            (4, "the log could not be read"),
+                            (5, "no verdict yet: still starting (with --follow: the timeout passed first)"),
+                            INTERRUPTED]))
+@click.argument("log", metavar="FILE|-")
+@click.option("--server", type=click.Choice(["sglang", "vllm"]), default=None,
+              help="Which server wrote it. Default: told by the lines' format.")
+@click.option("--version", "server_version", metavar="VER", default=None,
+              help="The server's release, to pick its lines (vLLM logs it; SGLang does not).")
+@python_option
+@click.option("--follow", is_flag=True, help="Keep reading the growing file (like tail -F: rotation and truncation "
+              "too) until the first final verdict or --timeout.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="With --follow: give up after this long (exit 5).")
+@json_option
+def check_log(log, server, server_version, python, follow, timeout, as_json):
+    """Say from a server's own log lines whether SGLang or vLLM really fused (which backend, the
+    workspace on every rank), fell back to unfused allreduce (the release's message, the step
+    that explains it and the fix), crashed (the exception and its last frame), is still starting,
+    or never asked for fusion. Per rank and in one line; the lines are each release's own, from
+    patches/<server>/logs.toml."""
+    from sm120patch import logcheck, render
+
+    report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout))
+    return show(report, as_json, render.render_log_check, render.log_check_json)
+
+
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
              epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
                            [(0, "written"), USAGE, (3, "sm120patch made no commit there")]))

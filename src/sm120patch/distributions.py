@@ -24,6 +24,9 @@ LEVELS = ("info", "warn")
 # How a server creates FlashInfer's fusion workspace: trtllm_create_ipc_workspace_for_all_reduce_fusion
 # (legacy) or create_allreduce_fusion_workspace(backend="trtllm") (unified).
 WORKSPACE_CALLS = ("legacy", "unified")
+# Files beside the patch sets that are not patch sets: the distribution's facts, and its log
+# lines (read by `check-log` alone, logcheck.py).
+NOT_PATCH_SETS = ("distribution.toml", "logs.toml")
 ANY = ""  # a selector given without a version (--flashinfer alone): whatever release is installed
 
 
@@ -147,7 +150,7 @@ class PatchSets:
                  advice: Sequence[Advice] = ()) -> None:
         named = []
         for path in directory.glob("*.toml"):
-            if path.name != "distribution.toml":
+            if path.name not in NOT_PATCH_SETS:
                 where = f"{distribution}/{path.name}"
                 try:
                     named.append((Version(path.stem), path))

@@ -20,6 +20,9 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad input: options, --python, a version selector, patch-set data
     REFUSED = 3  # a file is not the release's bytes (drift), no pinned patch set, an interrupted run
     FAILED = 4  # an operation failed (I/O, permissions, lock held); everything was rolled back
+    # check-log: no verdict yet (the server is still starting, or --follow's timeout passed):
+    # a distinct code so that systemd, Ansible and CI can wait and ask again.
+    NO_VERDICT = 5
     # A signal before the commit point: the change in progress was rolled back (128 + the
     # signal's number, as a shell reports it; signals.py). After it the command finishes.
     HANGUP = 129  # SIGHUP

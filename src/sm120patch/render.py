@@ -649,3 +649,49 @@ def render_additions(report) -> str:
     if report.newer and not report.results:
         return f"{report.distribution}: no release on the index is newer than the newest sm120patch knows"
     return "\n\n".join(render_addition(result, check=report.check) for result in report.results)
+
+
+# -- check-log ---------------------------------------------------------------------------------------
+
+def render_log_check(report) -> str:
+    what = report.server or "the server"
+    release = f"{what} {report.version} (from {report.version_from})" if report.version else what
+    lines = [f"{report.source}: {release}, {_tokens(report.lines, 'line')} read"]
+    if report.ranks:
+        expected = f" of {report.expected_ranks}" if report.expected_ranks is not None else ""
+        lines.append(f"ranks ({len(report.ranks)}{expected} seen):")
+        lines += [f"  {r.rank}: {r.verdict}: {r.detail}" for r in report.ranks]
+    if report.crash is not None:
+        c = report.crash
+        lines.append(f"  the server's line: {c.marker}")
+        if c.exception:
+            lines.append(f"  exception: {c.exception}")
+        if c.frame:
+            lines.append(f"  last frame: {c.frame}")
+            lines.append(f"    sm120patch patches this file ({c.patched_by})" if c.patched_by
+                         else "    a file sm120patch does not patch")
+    for seen in report.seen:
+        lines.append(f"  seen: {seen}")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    lines.append(f"verdict: {report.summary}")
+    if report.step:
+        lines.append(f"  step: {report.step}")
+    if report.fix:
+        lines.append(f"  fix: {report.fix}")
+    if report.timed_out:
+        lines.append("  (--follow: the timeout passed before a final verdict)")
+    elif not report.final and report.verdict != "starting":
+        lines.append("  (not final: later lines may change it)")
+    return "\n".join(lines)
+
+
+def log_check_json(report) -> dict:
+    crash = report.crash._asdict() if report.crash is not None else None
+    return {"source": report.source, "server": report.server, "version": report.version,
+            "version_from": report.version_from or None, "verdict": report.verdict, "final": report.final,
+            "summary": report.summary, "step": report.step, "fix": report.fix, "message": report.message,
+            "backend": report.backend, "expected_ranks": report.expected_ranks,
+            "ranks": [r._asdict() for r in report.ranks], "crash": crash, "notes": list(report.notes),
+            "seen": list(report.seen), "lines": report.lines, "timed_out": report.timed_out,
+            "exit_code": int(report.exit_code)}

@@ -192,3 +192,63 @@ class AdditionReport(NamedTuple):
         if self.errors:
             return self.errors[0].exit_code
         return ExitCode.NOT_OK if self.check and any(r.outcome == "pinned" for r in self.results) else ExitCode.OK
+
+
+# -- check-log -------------------------------------------------------------------------------------
+
+# The verdicts `check-log` gives (logcheck.py decides; the README's "Is it fusing?" lists them).
+FUSED, FELL_BACK, CRASHED, STARTING, NOT_REQUESTED, UNKNOWN_RELEASE = (
+    "fused", "fell-back", "crashed", "starting", "not-requested", "unknown-release")
+
+
+class Crash(NamedTuple):
+    """The exception a process of the server died of, as its log shows it."""
+
+    marker: str  # the server's own line saying the process is going down
+    exception: str | None = None  # the last exception line of its traceback
+    frame: str | None = None  # its last frame: 'File "...", line N, in f'
+    frame_file: str | None = None
+    patched_by: str | None = None  # "sglang: backend-resolve, ..." when sm120patch patches that file
+
+
+class RankVerdict(NamedTuple):
+    """One process of the server (an SGLang TP rank, a vLLM worker) and what its lines say."""
+
+    rank: str  # as the log names it: "TP3", "Worker_TP1"
+    verdict: str
+    detail: str  # the line (or the stage) the verdict rests on
+
+
+@dataclass
+class LogCheckReport:
+    """`check-log`: the verdict a server's log gives, per rank and overall."""
+
+    source: str  # the file read, or "-"
+    server: str | None
+    version: str | None
+    version_from: str  # "--version", "--python", "the log", or "" (not known)
+    verdict: str
+    summary: str  # the overall line, in words
+    final: bool  # nothing later in the log can change it (else: still starting, or --follow timed out)
+    step: str | None = None  # the chain step that explains a fall-back or crash
+    fix: str | None = None
+    message: str | None = None  # the server's own line behind the verdict
+    backend: str | None = None
+    ranks: Sequence[RankVerdict] = ()
+    expected_ranks: int | None = None  # the TP size the settings line gives
+    crash: Crash | None = None
+    notes: Sequence[str] = ()
+    seen: Sequence[str] = ()  # an unknown release: the fusion-related lines that were there
+    lines: int = 0
+    timed_out: bool = False
+    errors = ()
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.verdict == FUSED:
+            return ExitCode.OK
+        if self.verdict == UNKNOWN_RELEASE:
+            return ExitCode.REFUSED
+        if self.verdict == STARTING:
+            return ExitCode.NO_VERDICT
+        return ExitCode.NOT_OK

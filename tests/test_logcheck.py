@@ -1,0 +1,391 @@
+"""`sm120patch check-log` on the lines the real releases write: every fragment of
+patches/<server>/logs.toml found in the release's own wheel, and logs built from the releases'
+own code and format strings (read from the wheels here: the logging format of
+configure_logger / vllm.logger, the worker prefix of vLLM's _add_prefix, each message's own
+format string, exceptions raised by the release's own functions), then read by the command."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from helpers import run_cli
+from sm120patch.distributions import load_registry
+from sm120patch.logcheck import load_logs
+from sm120patch.wheels import fetch_wheel
+
+SITE = "/srv/venv/lib/python3.11/site-packages/"
+pytestmark = pytest.mark.wheels
+
+
+def wheel_text(distribution: str, version: str, relpath: str | None) -> str:
+    with zipfile.ZipFile(fetch_wheel(distribution, version)) as archive:
+        if relpath is not None:
+            return archive.read(relpath).decode("utf-8")
+        top = {"sglang": "sglang/", "vllm": "vllm/", "flashinfer-python": "flashinfer/"}.get(distribution, "")
+        return "\n".join(archive.read(n).decode("utf-8", "replace") for n in archive.namelist()
+                         if n.startswith(top) and n.endswith(".py"))
+
+
+def known(distribution: str, versions) -> list[str]:
+    found = [v for v in load_registry(full=False).get(distribution).known_versions()
+             if versions.contains(v, prereleases=True)]
+    return [str(found[0]), str(found[-1])] if found else []
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_every_message_fragment_is_in_the_lowest_and_highest_release_of_its_range(server):
+    logs = load_logs(server)
+    checked = 0
+    for row in logs.lines:
+        if row.source is None:
+            releases = known(server, row.versions & logs.versions)
+            distribution = server
+        else:
+            releases, distribution = known(row.source, row.source_versions), row.source
+        assert releases, f"{server} {row.message}: no known release in its range"
+        for version in releases:
+            text = wheel_text(distribution, version, row.file)
+            for fragment in row.message:
+                assert fragment in text, f"{distribution} {version} {row.file}: {fragment!r} is not in its source"
+                checked += 1
+    assert checked >= 2 * len(logs.lines)
+
+
+# -- the releases' own formats, read from their wheels -----------------------------------------------
+
+def _function(source: str, name: str):
+    return next(n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                and n.name == name)
+
+
+def sglang_format(version: str) -> tuple[str, str]:
+    """configure_logger's format (prefix still open) and datefmt, from the wheel."""
+    source = wheel_text("sglang", version, "sglang/srt/utils/common.py")
+    function = _function(source, "configure_logger")
+    fmt = next(n.value for n in ast.walk(function) if isinstance(n, ast.Assign)
+               and getattr(n.targets[0], "id", None) == "format")
+    datefmt = next(k.value.value for k in ast.walk(function) if isinstance(k, ast.keyword) and k.arg == "datefmt")
+    return ast.unparse(fmt), datefmt
+
+
+def sglang_line(version: str, prefix: str, message: str) -> str:
+    fmt, datefmt = sglang_format(version)
+    formatter = logging.Formatter(eval(fmt, {"maybe_ms": "", "prefix": prefix}), datefmt)  # noqa: S307 - the wheel's f-string
+    return formatter.format(logging.makeLogRecord({"msg": message, "levelname": "INFO"})) + "\n"
+
+
+def vllm_line(version: str, process: str | None, file: str, message: str, level: str = "INFO") -> str:
+    """vLLM's record format (every line of a multi-line message gets the header, as its
+    NewLineFormatter does) behind the worker's "(name pid=N) " prefix, from the wheel."""
+    logger_src = wheel_text("vllm", version, "vllm/logger.py")
+    fmt = next(n.value for n in ast.walk(ast.parse(logger_src)) if isinstance(n, ast.Assign)
+               and getattr(n.targets[0], "id", None) == "_FORMAT")
+    datefmt = next(n.value.value for n in ast.walk(ast.parse(logger_src)) if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None) == "_DATE_FORMAT")
+    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX="")})  # noqa: S307
+    record = logging.makeLogRecord({"msg": "\x00", "levelname": level, "lineno": 42})
+    record.fileinfo = file
+    header = logging.Formatter(text, datefmt).format(record).split("\x00")[0]
+    prefix = ""
+    if process is not None:
+        utils = wheel_text("vllm", version, "vllm/utils/system_utils.py")
+        shape = next(n.value for n in ast.walk(_function(utils, "_add_prefix")) if isinstance(n, ast.Assign)
+                     and getattr(n.targets[0], "id", None) == "prefix")
+        prefix = eval(ast.unparse(shape), {"worker_name": process, "pid": 4000 + sum(map(ord, process))})  # noqa: S307
+    return "".join(f"{prefix}{header}{line}\n" for line in message.split("\n"))
+
+
+def logged(distribution: str, version: str, relpath: str, fragment: str, **names) -> str:
+    """The message the release's logging call holding ``fragment`` writes, its own format string
+    and arguments evaluated with ``names``."""
+    tree = ast.parse(wheel_text(distribution, version, relpath))
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and call.args):
+            continue
+        first = call.args[0]
+        if fragment not in ast.unparse(first).replace("' '", "").replace('" "', ""):
+            continue
+        namespace = {"self": types.SimpleNamespace(**names), **names}
+        message = eval(compile(ast.Expression(first), relpath, "eval"), namespace)  # noqa: S307
+        if isinstance(first, ast.Constant) and len(call.args) > 1:
+            message %= tuple(eval(compile(ast.Expression(a), relpath, "eval"), namespace) for a in call.args[1:])  # noqa: S307
+        return message
+    raise AssertionError(f"{distribution} {version} {relpath}: no logging call with {fragment!r}")
+
+
+def raised_by(distribution: str, version: str, relpath: str, name: str, call, **names) -> str:
+    """The traceback the release's own function ``name`` gives when ``call`` runs it, as Python
+    prints it (the frame names the file where it is installed)."""
+    source = wheel_text(distribution, version, relpath)
+    node = _function(source, name)
+    module = ast.Module([node], [])
+    namespace = dict(names)
+    exec(compile(module, SITE + relpath, "exec"), namespace)  # noqa: S102 - the release's own function
+    try:
+        call(namespace[name])
+    except Exception:  # noqa: BLE001 - its exception is what the test is about
+        return traceback.format_exc().rstrip("\n")
+    raise AssertionError(f"{name} did not raise")
+
+
+def check(tmp_path, text: str, *args: str):
+    log = tmp_path / "server.log"
+    log.write_text(text)
+    result = run_cli("check-log", str(log), "--json", *args)
+    return result.exit_code, json.loads(result.output)
+
+
+SGLANG_START = {"0.5.9": "sglang/srt/model_executor/model_runner.py"}
+
+
+def sglang_settings(version: str, tp: int, on: bool) -> str:
+    flag = ("flashinfer_allreduce_fusion_backend='trtllm'" if Version(version) >= Version("0.5.14")
+            else "enable_flashinfer_allreduce_fusion=True") if on else "enable_flashinfer_allreduce_fusion=False"
+    return sglang_line(version, "", f"server_args=ServerArgs(model_path='m', tp_size={tp}, {flag})")
+
+
+FUSED = {"0.5.9": ("FlashInfer workspace initialized for rank ", {}),
+         "0.5.10": ("FlashInfer workspace initialized for rank ", {"backend": "trtllm"}),
+         "0.5.14": ("FlashInfer AllReduce Fusion enabled and workspace initialized: ",
+                    {"backend_name": "trtllm", "max_token_num": 2048, "hidden_dim": 4096}),
+         "0.5.23": ("FlashInfer AllReduce Fusion enabled and workspace initialized: ",
+                    {"backend": "trtllm", "max_token_num": 2048, "hidden_dim": 4096})}
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.10", "0.5.14", "0.5.23"])
+def test_sglang_fused_starting_and_not_requested(tmp_path, version):
+    fragment, names = FUSED[version]
+    text = sglang_settings(version, 2, True)
+    for rank in (0, 1):
+        text += sglang_line(version, f" TP{rank}", logged("sglang", version, "sglang/srt/model_executor/model_runner.py",
+                                                         "Load weight begin",
+                                                         get_available_gpu_memory=lambda *a: 90.0, device="cuda",
+                                                         gpu_id=rank))
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 5 and doc["verdict"] == "starting" and "loading weights" in doc["summary"], doc
+    fused = text + "".join(
+        sglang_line(version, f" TP{rank}", logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                 fragment, rank=rank, world_size=2, **names))
+        for rank in (0, 1))
+    fused += sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, fused, "--server", "sglang", "--version", version)
+    assert code == 0 and doc["verdict"] == "fused" and doc["final"] and doc["backend"] == "trtllm", doc
+    assert [r["rank"] for r in doc["ranks"]] == ["TP0", "TP1"] and {r["verdict"] for r in doc["ranks"]} == {"fused"}
+    # One rank only, then ready: not every rank fused.
+    one = text + sglang_line(version, " TP0", logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                    fragment, rank=0, world_size=2, **names))
+    one += sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, one, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and "1 of 2" in doc["summary"], doc
+    # Not asked for: ready, no fusion line; the release's own flag is named.
+    off = sglang_settings(version, 2, False) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, off, "--server", "sglang", "--version", version)
+    flag = load_registry(full=False).get("sglang").fusion_flag(Version(version))
+    assert code == 1 and doc["verdict"] == "not-requested" and flag in doc["fix"], doc
+
+
+@pytest.mark.parametrize("version, fragment, step", [
+    ("0.5.10", "Disabling flashinfer allreduce fusion permanently", "workspace"),
+    ("0.5.14", "Skipping allreduce fusion.", "workspace"),
+    ("0.5.23", "Skipping allreduce fusion.", "workspace"),
+])
+def test_sglang_fell_back(tmp_path, version, fragment, step):
+    message = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py", fragment,
+                     e="cuMulticastGetGranularity failed for FlashInfer workspace preflight: CUDA_ERROR_NOT_SUPPORTED",
+                     backend="trtllm")
+    text = sglang_settings(version, 2, True) + sglang_line(version, " TP0", message)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == step and doc["final"], doc
+    assert fragment in doc["message"] and "sm120patch apply" in doc["fix"]
+
+
+def test_sglang_0514_crash_from_its_own_resolve_backend_on_sm120(tmp_path):
+    """_resolve_backend of the 0.5.14 wheel, asked on a GPU that is neither SM90 nor SM10X."""
+    tb = raised_by("sglang", "0.5.14", "sglang/srt/layers/flashinfer_comm_fusion.py", "_resolve_backend",
+                   lambda f: f("trtllm"), is_sm90_supported=lambda: False, is_sm100_supported=lambda: False)
+    marker = logged("sglang", "0.5.14", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=tb)
+    text = sglang_settings("0.5.14", 2, True) + sglang_line("0.5.14", " TP1", marker)
+    code, doc = check(tmp_path, text, "--server", "sglang")  # no --version: every release's lines
+    assert code == 1 and doc["verdict"] == "crashed", doc
+    assert doc["crash"]["exception"] == "ValueError: FlashInfer allreduce fusion requires SM90 or SM10X NVIDIA GPUs."
+    assert doc["crash"]["frame_file"] == SITE + "sglang/srt/layers/flashinfer_comm_fusion.py"
+    assert "backend-resolve" in doc["crash"]["patched_by"] and doc["step"] == "server-gates"
+    assert "release not known" in " ".join(doc["notes"])
+
+
+def flashinfer_unpatched_traceback() -> str:
+    """FlashInfer 0.6.4's own CompilationContext on an SM120 GPU, asked as jit/comm.py asks it."""
+    def call(cls):
+        ctx = cls.__new__(cls)
+        ctx.TARGET_CUDA_ARCHS = {(12, "0a")}
+        ctx.COMMON_NVCC_FLAGS = []
+        return ctx.get_nvcc_flags_list(supported_major_versions=[9, 10])
+    return raised_by("flashinfer-python", "0.6.4", "flashinfer/compilation_context.py", "CompilationContext", call,
+                     os=os, logger=logging.getLogger("x"), torch=None)
+
+
+def test_sglang_09_crash_in_flashinfers_jit_gate_points_at_apply(tmp_path):
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    text = sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", "0.5.9")
+    assert code == 1 and doc["verdict"] == "crashed" and doc["step"] == "kernel-gates", doc
+    assert doc["crash"]["exception"].startswith("RuntimeError: No supported CUDA architectures found for major "
+                                                "versions [9, 10]")
+    assert "sm120patch apply --flashinfer" in doc["fix"]
+    assert doc["crash"]["patched_by"] is None  # compilation_context.py is not a file sm120patch patches
+
+
+VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
+VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
+
+
+def vllm_settings(version: str, tp: int, on: bool) -> str:
+    message = logged("vllm", version, "vllm/v1/engine/core.py", "Initializing a V1 LLM engine (v",
+                     VLLM_VERSION=version,
+                     vllm_config=f"model='m', tensor_parallel_size={tp}, compilation_config="
+                                 + ("{'pass_config': {'fuse_allreduce_rms': True}}" if on else "{}"))
+    return vllm_line(version, "EngineCore_DP0", "core.py", message)
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.29.0"])
+def test_vllm_fused_starting_fell_back_and_crashed(tmp_path, version):
+    text = vllm_settings(version, 2, True)
+    for rank in (0, 1):
+        text += vllm_line(version, f"Worker_TP{rank}", "backends.py",
+                          logged("vllm", version, "vllm/compilation/backends.py", "Compiling a graph for compile range ",
+                                 compile_range="(1, 8192)", elapsed=3.2))
+    code, doc = check(tmp_path, text)  # server and release from the lines
+    assert code == 5 and doc["verdict"] == "starting" and doc["version"] == version and doc["server"] == "vllm", doc
+    assert doc["version_from"] == "the log"
+    fused = text
+    for rank in (0, 1):
+        fused += vllm_line(version, f"Worker_TP{rank}", "flashinfer_all_reduce.py",
+                           logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                  backend="trtllm"))
+    ready = vllm_line(version, "APIServer", "api_server.py",
+                      logged("vllm", version, "vllm/entrypoints/openai/api_server.py" if version == "0.19.0"
+                             else "vllm/entrypoints/launchers/api_server/entry.py", "Starting vLLM server on ",
+                             listen_address="http://0.0.0.0:8000"))
+    code, doc = check(tmp_path, fused + ready)
+    assert code == 0 and doc["verdict"] == "fused" and doc["backend"] == "trtllm", doc
+    assert sorted(r["rank"] for r in doc["ranks"]) == ["Worker_TP0", "Worker_TP1"]
+    assert any("only at DEBUG" in n for n in doc["notes"])
+
+    # As released on SM120: no 120 row, the pass says so and stays off.
+    gated = text + vllm_line(version, "Worker_TP0", "allreduce_rms_fusion.py",
+                             logged("vllm", version, VLLM_PASS, "is not supported for world size", tp_size=2),
+                             "WARNING")
+    code, doc = check(tmp_path, gated)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "server-gates", doc
+
+    # A worker dies of FlashInfer's gate: its traceback carries the worker prefix on every line.
+    died = text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                            logged("vllm", version, "vllm/v1/executor/multiproc_executor.py",
+                                   "WorkerProc failed to start.") + "\n" + flashinfer_unpatched_traceback(), "ERROR")
+    code, doc = check(tmp_path, died)
+    assert code == 1 and doc["verdict"] == "crashed" and doc["step"] == "kernel-gates", doc
+    assert doc["crash"]["frame_file"] == SITE + "flashinfer/compilation_context.py"
+
+
+def test_vllm_019_without_multicast_falls_back_and_029_notes_it(tmp_path):
+    e = "[SymmDeviceMemory] Device does not support multicasting."
+    for version, verdict in (("0.19.0", "fell-back"), ("0.29.0", "starting")):
+        message = logged("vllm", version, VLLM_FI, "This is expected on GPUs without NVSwitch", e=e)
+        text = vllm_settings(version, 2, True) + vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py", message,
+                                                           "WARNING")
+        code, doc = check(tmp_path, text)
+        assert doc["verdict"] == verdict, (version, doc)
+        if verdict == "fell-back":
+            assert code == 1 and doc["step"] == "workspace" and "unicast-workspace" in doc["fix"]
+        else:  # 0.25+: mnnvl first, then trtllm: not a fall-back by itself
+            assert code == 5 and any("NVSwitch" in n for n in doc["notes"])
+
+
+def test_an_unknown_release_shows_what_was_seen(tmp_path):
+    text = vllm_line("0.29.0", "EngineCore_DP0", "core.py",
+                     logged("vllm", "0.29.0", "vllm/v1/engine/core.py", "Initializing a V1 LLM engine (v",
+                            VLLM_VERSION="0.99.0", vllm_config="tensor_parallel_size=2"))
+    text += vllm_line("0.29.0", "Worker_TP0", "flashinfer_all_reduce.py",
+                      logged("vllm", "0.29.0", VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                             backend="trtllm"))
+    code, doc = check(tmp_path, text)
+    assert code == 3 and doc["verdict"] == "unknown-release" and doc["version"] == "0.99.0", doc
+    assert any("Initialized FlashInfer Allreduce norm fusion workspace" in s for s in doc["seen"])
+
+
+# -- reading: growing, rotated, truncated, coloured, not UTF-8, big ------------------------------------
+
+def test_follow_a_growing_rotated_file_until_the_verdict(tmp_path):
+    log = tmp_path / "sglang.log"
+    version = "0.5.9"
+    lines = [sglang_settings(version, 2, True)]
+    lines += [sglang_line(version, f" TP{r}", logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                   "FlashInfer workspace initialized for rank ", rank=r, world_size=2))
+              for r in (0, 1)]
+    ready = sglang_line(version, "", "The server is fired up and ready to roll!")
+
+    def write():
+        time.sleep(0.5)  # the file does not exist when check-log starts
+        log.write_bytes(b"\x1b[32m" + lines[0].encode() + b"\x1b[0m" + b"noise \xff\xfe not utf-8\n")
+        time.sleep(0.5)
+        with log.open("a") as f:
+            f.write(lines[1])
+        time.sleep(0.5)
+        log.rename(tmp_path / "sglang.log.1")  # logrotate: a new file at the path
+        log.write_text(lines[2])
+        time.sleep(0.5)
+        with log.open("a") as f:
+            f.write(ready)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    result = run_cli("check-log", str(log), "--follow", "--timeout", "60", "--json", "--version", version,
+                     "--server", "sglang")
+    writer.join()
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and doc["verdict"] == "fused" and doc["final"] and not doc["timed_out"], doc
+
+
+def test_follow_times_out_while_starting_with_exit_5(tmp_path):
+    log = tmp_path / "sglang.log"
+    log.write_text(sglang_settings("0.5.9", 2, True))
+    result = run_cli("check-log", str(log), "--follow", "--timeout", "1", "--server", "sglang")
+    assert result.exit_code == 5 and "still starting" in result.output and "timeout passed" in result.output
+
+
+def test_truncation_and_a_100_mb_log_are_streamed(tmp_path):
+    version = "0.5.9"
+    filler = sglang_line(version, " TP0", "Decode batch. #running-req: 1, #token: 100, token usage: 0.00, "
+                                          "gen throughput (token/s): 90.00, #queue-req: 0") * 1000
+    log = tmp_path / "big.log"
+    with log.open("w") as f:
+        f.write(sglang_settings(version, 2, True))
+        while f.tell() < 100 * 1024 * 1024:
+            f.write(filler)
+        for r in (0, 1):
+            f.write(sglang_line(version, f" TP{r}", logged(
+                "sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                "FlashInfer workspace initialized for rank ", rank=r, world_size=2)))
+        f.write(sglang_line(version, "", "The server is fired up and ready to roll!"))
+    result = run_cli("check-log", str(log), "--json", "--server", "sglang", "--version", version)
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and doc["verdict"] == "fused" and doc["lines"] > 500_000, doc
+
+
+def test_a_missing_file_is_one_line_exit_2(tmp_path):
+    result = run_cli("check-log", str(tmp_path / "nope.log"))
+    assert result.exit_code == 2 and "no such file" in result.output and "Traceback" not in result.output
