@@ -361,7 +361,10 @@ def _optional_str(doc: dict, key: str, where: str) -> str | None:
     return value
 
 
-def _specifier(value: str, where: str) -> SpecifierSet:
+def specifier(value: object, where: str) -> SpecifierSet:
+    """A PEP 440 range from the data (``where`` names the row for the error)."""
+    if not isinstance(value, str):
+        raise PatchDataError(f"{where}: versions must be a version specifier string")
     try:
         return SpecifierSet(value)
     except InvalidSpecifier:
@@ -387,7 +390,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         awhere = f"{where}: advice #{index + 1}"
         if raw.get("level") not in LEVELS or not isinstance(raw.get("text"), str):
             raise PatchDataError(f"{awhere}: needs level ({' or '.join(LEVELS)}) and text")
-        versions = _specifier(raw.get("versions", ""), awhere)
+        versions = specifier(raw.get("versions", ""), awhere)
         conditions = {key: _str_list(raw, key, awhere) for key in ("when_applied", "unless_applied")}
         if not isinstance(raw.get("bench", False), bool):
             raise PatchDataError(f"{awhere}: bench is true or false")
@@ -396,25 +399,25 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         if raw.get("with") and not doc.get("fusion_with"):
             raise PatchDataError(f"{awhere}: with needs fusion_with (the distribution it names releases of)")
         advice.append(Advice(versions, raw["level"], raw["text"], **conditions,
-                             with_=_specifier(raw.get("with", ""), awhere), bench=raw.get("bench", False)))
+                             with_=specifier(raw.get("with", ""), awhere), bench=raw.get("bench", False)))
     nothing = []
     for index, raw in enumerate(doc.get("nothing_to_patch", [])):
         nwhere = f"{where}: nothing_to_patch #{index + 1}"
         if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{nwhere}: needs versions (a version specifier) and reason")
-        nothing.append(NothingToPatch(_specifier(raw["versions"], nwhere), raw["reason"]))
+        nothing.append(NothingToPatch(specifier(raw["versions"], nwhere), raw["reason"]))
     not_covered = []
     for index, raw in enumerate(doc.get("not_covered", [])):
         cwhere = f"{where}: not_covered #{index + 1}"
         if not isinstance(raw.get("reason"), str) or not isinstance(raw.get("versions"), str) or not raw["versions"]:
             raise PatchDataError(f"{cwhere}: needs versions (a version specifier) and reason")
-        not_covered.append(NotCovered(_specifier(raw["versions"], cwhere), raw["reason"]))
+        not_covered.append(NotCovered(specifier(raw["versions"], cwhere), raw["reason"]))
     flags = []
     for index, raw in enumerate(doc.get("fusion_flag", [])):
         gwhere = f"{where}: fusion_flag #{index + 1}"
         if not isinstance(raw.get("flag"), str) or not raw["flag"] or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{gwhere}: needs versions (a version specifier) and flag")
-        flags.append(FusionFlag(_specifier(raw["versions"], gwhere), raw["flag"]))
+        flags.append(FusionFlag(specifier(raw["versions"], gwhere), raw["flag"]))
     paths = []
     for index, raw in enumerate(doc.get("fusion_path", [])):
         fwhere = f"{where}: fusion_path #{index + 1}"
@@ -434,7 +437,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
             needs.append((owner, patch_id))
         if needs and not isinstance(raw.get("without"), str):
             raise PatchDataError(f"{fwhere}: a path that needs patches says what happens without them (without)")
-        paths.append(FusionPath(_specifier(raw["versions"], fwhere), _specifier(raw["with"], fwhere), raw["workspace"],
+        paths.append(FusionPath(specifier(raw["versions"], fwhere), specifier(raw["with"], fwhere), raw["workspace"],
                                 raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
     if paths and not fusion_with:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from sm120patch.data import data_dir
+from sm120patch.distributions import specifier
 from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError, UsageError
 from sm120patch.patchsets import read_toml
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
@@ -95,15 +96,6 @@ class LogData:
         return version is not None and self.versions.contains(version, prereleases=True)
 
 
-def _spec(value, where: str) -> SpecifierSet:
-    if not isinstance(value, str):
-        raise PatchDataError(f"{where}: versions must be a version specifier string")
-    try:
-        return SpecifierSet(value)
-    except InvalidSpecifier:
-        raise PatchDataError(f"{where}: {value!r} is not a version specifier") from None
-
-
 def _regex(value, where: str) -> re.Pattern:
     if not isinstance(value, str):
         raise PatchDataError(f"{where}: a pattern must be a string")
@@ -148,9 +140,9 @@ def parse_logs(path: Path, server: str) -> LogData:
             raise PatchDataError(f"{lwhere}: a {kind} line's pattern captures (?P<value>...)")
         if ("source" in raw) != ("source_versions" in raw):
             raise PatchDataError(f"{lwhere}: source and source_versions go together")
-        rows.append(LogLine(_spec(raw.get("versions"), lwhere), kind, tuple(message), pattern, raw.get("step"),
+        rows.append(LogLine(specifier(raw.get("versions"), lwhere), kind, tuple(message), pattern, raw.get("step"),
                             raw.get("fix"), raw.get("backend"), raw.get("stage"), raw.get("source"),
-                            _spec(raw.get("source_versions", ""), lwhere), raw.get("file")))
+                            specifier(raw.get("source_versions", ""), lwhere), raw.get("file")))
     for kind in ("fused", "ready", "crashed"):
         if not any(r.kind == kind for r in rows):
             raise PatchDataError(f"{where}: no {kind} line: check-log could not give that verdict")
@@ -159,15 +151,15 @@ def parse_logs(path: Path, server: str) -> LogData:
         qwhere = f"{where}: quiet #{index + 1}"
         if raw.get("step") not in STEPS or not isinstance(raw.get("fix"), str):
             raise PatchDataError(f"{qwhere}: needs versions, step (one of {', '.join(STEPS)}) and fix")
-        quiet.append(Quiet(_spec(raw.get("versions"), qwhere), raw["step"], raw["fix"]))
+        quiet.append(Quiet(specifier(raw.get("versions"), qwhere), raw["step"], raw["fix"]))
     notes = []
     for index, raw in enumerate(doc.get("kernel_note", [])):
         nwhere = f"{where}: kernel_note #{index + 1}"
         if not isinstance(raw.get("text"), str):
             raise PatchDataError(f"{nwhere}: needs versions and text")
-        notes.append(KernelNote(_spec(raw.get("versions"), nwhere), raw["text"]))
+        notes.append(KernelNote(specifier(raw.get("versions"), nwhere), raw["text"]))
     firsts = re.compile("|".join(sorted({re.escape(r.message[0]) for r in rows}, key=len, reverse=True)))
-    return LogData(server, _spec(doc.get("versions"), where), _regex(fmt["header"], f"{where}: format.header"),
+    return LogData(server, specifier(doc.get("versions"), where), _regex(fmt["header"], f"{where}: format.header"),
                    _regex(fmt["rank"], f"{where}: format.rank"),
                    _regex(fmt["process"], f"{where}: format.process") if "process" in fmt else None,
                    tuple(rows), tuple(quiet), tuple(notes), firsts)
