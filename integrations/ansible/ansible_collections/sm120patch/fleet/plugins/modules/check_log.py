@@ -38,7 +38,7 @@ options:
     type: bool
     default: true
 extends_documentation_fragment:
-  - sm120patch.fleet.target
+  - sm120patch.fleet.target.executable
 """
 
 EXAMPLES = r"""
@@ -68,9 +68,9 @@ exit_code:
   type: int
 """
 
-import json
-
 from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.sm120patch.fleet.plugins.module_utils.sm120patch_json import executable, run_json
 
 
 def main():
@@ -82,26 +82,17 @@ def main():
             "python": dict(type="path"),
             "timeout": dict(type="float", default=600),
             "require_fused": dict(type="bool", default=True),
-            "jit_cache_base": dict(type="path"),
             "executable": dict(type="path", default="sm120patch"),
         },
         supports_check_mode=True,
     )
     params = module.params
-    exe = params["executable"] if "/" in params["executable"] else module.get_bin_path(params["executable"], required=True)
+    exe = executable(module)
     argv = [exe, "check-log", params["log"], "--follow", "--timeout", str(params["timeout"]), "--json"]
     for option in ("server", "version", "python"):
         if params[option]:
             argv += [f"--{option}", params[option]]
-    rc, out, err = module.run_command(argv)
-    try:
-        document = json.loads(out)
-        if "error" in document:  # an error, as --json prints it: the stderr line says it as well
-            raise ValueError(document["error"]["message"])
-    except ValueError:
-        lines = [line for line in err.splitlines() if line.strip()]
-        module.fail_json(msg=f"{lines[0] if lines else 'sm120patch check-log printed no JSON'} (exit code {rc})",
-                         exit_code=rc, cmd=" ".join(argv), stderr=err)
+    rc, document = run_json(module, argv)
     result = dict(changed=False, verdict=document["verdict"], report=document, exit_code=rc)
     if rc != 0 and (params["require_fused"] or rc not in (0, 1)):
         fix = f" Fix: {document['fix']}" if document.get("fix") else ""

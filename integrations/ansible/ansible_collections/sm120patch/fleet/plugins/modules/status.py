@@ -47,9 +47,9 @@ exit_code:
   type: int
 """
 
-import json
-
 from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.sm120patch.fleet.plugins.module_utils.sm120patch_json import executable, run_json
 
 
 def main():
@@ -62,19 +62,11 @@ def main():
         supports_check_mode=True,
     )
     params = module.params
-    exe = params["executable"] if "/" in params["executable"] else module.get_bin_path(params["executable"], required=True)
+    exe = executable(module)
     argv = [exe, "status", "--python", params["python"], "--json"]
     if params["jit_cache_base"]:
         argv += ["--jit-cache-base", params["jit_cache_base"]]
-    rc, out, err = module.run_command(argv)
-    try:
-        document = json.loads(out)
-        if "error" in document:  # an error, as --json prints it: the stderr line says it as well
-            raise ValueError(document["error"]["message"])
-    except ValueError:
-        lines = [line for line in err.splitlines() if line.strip()]
-        module.fail_json(msg=f"{lines[0] if lines else 'sm120patch status printed no JSON'} (exit code {rc})",
-                         exit_code=rc, cmd=" ".join(argv), stderr=err)
+    rc, document = run_json(module, argv)
     module.exit_json(changed=False, status=document, patched=rc == 0, exit_code=rc)
 
 
