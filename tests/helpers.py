@@ -42,7 +42,9 @@ COMMUNICATOR = "sglang/srt/layers/communicator.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
 SYMM_MEM = "sglang/srt/distributed/device_communicators/all_reduce_utils.py"
 MNNVL = "flashinfer/comm/mnnvl.py"
-FLASHINFER_FILES = (COMM, HEADER, LAMPORT, MNNVL)
+FUSION_HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh"
+MOE_HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"
+FLASHINFER_FILES = (COMM, HEADER, LAMPORT, MNNVL, FUSION_HEADER, MOE_HEADER)  # what 0.6.4's patch set writes
 
 
 def wheel_file(wheel: Path, relpath: str) -> bytes:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import COMM, changed, one_clear_error, run_cli, snapshot
+from helpers import COMM, FLASHINFER_FILES, changed, one_clear_error, run_cli, snapshot
 from sm120patch.errors import ExitCode
 
 COMMANDS = ["status", "apply", "revert", "diff", "verify", "doctor", "bench", "build", "export", "list"]
@@ -140,10 +140,7 @@ def test_apply_json_is_a_document_that_matches_the_files(sm120patch, serving_env
     assert doc["operation"] == "apply" and doc["dry_run"] is False
     assert [r["name"] for r in doc["results"]] == ["flashinfer-python", "sglang"]
     files = {f["file"]: f for f in doc["results"][0]["files"]}
-    assert set(files) == {COMM, "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh",
-                          "flashinfer/data/csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py",
-                          "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh",
-                          "flashinfer/data/include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"}
+    assert set(files) == set(FLASHINFER_FILES)
     import hashlib
 
     assert files[COMM]["after"] == hashlib.sha256(serving_env.file(COMM).read_bytes()).hexdigest()

@@ -16,7 +16,8 @@ from sm120patch.errors import ExitCode
 from sm120patch.wheels import fetch_wheel
 
 FLASHINFER_FILES = ["csrc/trtllm_allreduce.cu", "flashinfer/comm/mnnvl.py", "flashinfer/jit/comm.py",
-                    "include/flashinfer/comm/trtllm_allreduce.cuh"]
+                    "include/flashinfer/comm/trtllm_allreduce.cuh", "include/flashinfer/comm/trtllm_allreduce_fusion.cuh",
+                    "include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh"]
 
 
 def new_repo(root: Path) -> git.Repo:
@@ -80,24 +81,24 @@ def test_flashinfer_tree_apply_makes_one_commit_on_the_named_branch(flashinfer_r
     root = flashinfer_repo.working_tree_dir
     base = flashinfer_repo.head.commit.hexsha
     before = run_cli("status", "--source", root)
-    assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 4
+    assert before.exit_code == ExitCode.NOT_OK and before.output.count("not in HEAD") == 7
 
     result = run_cli("apply", "--source", root)
     assert result.exit_code == 0, result.output
-    assert "on sm120patch/flashinfer-python-0.6.4 (4 files)" in result.output
+    assert "on sm120patch/flashinfer-python-0.6.4 (6 files)" in result.output
     assert flashinfer_repo.active_branch.name == "sm120patch/flashinfer-python-0.6.4"
     head = flashinfer_repo.head.commit
     assert [p.hexsha for p in head.parents] == [base]
     assert changed_files(flashinfer_repo) == FLASHINFER_FILES  # exactly the patched files
     message = head.message
     assert "sm120patch: enable SM120 fused allreduce in flashinfer-python 0.6.4" in message
-    assert message.count("Forwarded: https://github.com/flashinfer-ai/flashinfer/pull/3903") == 3
+    assert message.count("Forwarded: https://github.com/flashinfer-ai/flashinfer/pull/3903") == 6
     assert "Applied-Upstream: 0.6.17" in message and "Sm120patch-Pinned: yes" in message
     assert "supported_major_versions=[9, 10, 12]" in (Path(root) / "flashinfer/jit/comm.py").read_text()
     assert not flashinfer_repo.is_dirty(untracked_files=True)
 
     after = run_cli("status", "--source", root)
-    assert after.exit_code == 0 and after.output.count("in HEAD") == 4 and "not in HEAD" not in after.output
+    assert after.exit_code == 0 and after.output.count("in HEAD") == 7 and "not in HEAD" not in after.output
 
 
 def test_exported_patch_applies_with_git_am_on_a_fresh_copy(flashinfer_repo, tmp_path):
@@ -123,7 +124,7 @@ def test_revert_returns_to_the_original_branch(flashinfer_repo):
     assert result.exit_code == 0, result.output
     assert flashinfer_repo.active_branch.name == "main"
     assert "sm120patch/flashinfer-python-0.6.4" not in flashinfer_repo.heads
-    assert run_cli("status", "--source", root).output.count("not in HEAD") == 4
+    assert run_cli("status", "--source", root).output.count("not in HEAD") == 7
 
 
 def test_revert_keeps_a_branch_someone_committed_to(flashinfer_repo):
@@ -221,7 +222,7 @@ def test_sglang_tree_with_an_opt_in_patch(sglang_repo):
 def test_a_checkout_at_the_upstream_fix_has_every_patch_in_head(tmp_path, wheel_cache):
     repo = flashinfer_tree(fetch_wheel("flashinfer-python", "0.6.17", wheel_cache), tmp_path / "fi", "0.6.17")
     status = run_cli("status", "--source", repo.working_tree_dir)
-    assert status.exit_code == 0 and status.output.count("in HEAD") == 3 and "not in HEAD" not in status.output
+    assert status.exit_code == 0 and status.output.count("in HEAD") == 6 and "not in HEAD" not in status.output
 
 
 def test_not_a_checkout(tmp_path):
