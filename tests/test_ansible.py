@@ -114,9 +114,13 @@ def test_status_module_reports_facts(ansible, serving_env, tmp_path):
     (before,) = results(play(ansible, tmp_path, [task]))
     assert before["patched"] is False and before["changed"] is False and before["exit_code"] == 1
     assert [d["name"] for d in before["status"]["distributions"]] == ["flashinfer-python", "sglang"]
+    assert [(f["server"], f["verdict"]) for f in before["fusion"]] == [("sglang 0.5.9", "will not fuse")]
     results(play(ansible, tmp_path, [patch_task(serving_env)]))
     (after,) = results(play(ansible, tmp_path, [task]))
     assert after["patched"] is True and after["exit_code"] == 0
+    (fusion,) = after["fusion"]
+    assert fusion["verdict"] == "will fuse" and fusion["conditions"] == ["--enable-flashinfer-allreduce-fusion"]
+    assert fusion["headline"].startswith("sglang 0.5.9 will fuse on SM120 when started with")
 
 
 def test_the_rollout_role_installs_applies_verifies_and_notifies(ansible, serving_env, tmp_path):

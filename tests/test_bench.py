@@ -273,27 +273,36 @@ def test_a_server_that_would_fall_back_without_multicast_is_refused_with_the_rea
 
     from packaging.version import Version
 
+    from sm120patch import chain, driver
     from sm120patch.distributions import load_registry
     from sm120patch.fusionpath import judge
 
     flashinfer = SimpleNamespace(raw_version="0.6.8.post1", version=Version("0.6.8.post1"))
     server = judge(load_registry().get("sglang"), "0.5.11", Version("0.5.11"), flashinfer,
                    {"sglang": frozenset({"fusion-gate"}), "flashinfer-python": frozenset({"jit-gate", "pdl-gates",
-                                                                                           "lamport-stride"})},
-                   target="--python /srv/env/bin/python")
+                                                                                           "lamport-stride"})})
     assert server.missing == ("sglang:preflight-unicast", "flashinfer-python:unicast-workspace")
+    commands = chain.Commands(*(f"sm120patch {w} --python /srv/env/bin/python"
+                                for w in ("apply", "build", "doctor", "bench", "status", "diff")))
+
+    def judged(verdict, multicast):
+        """The chain as bench gets it: its workspace step judged for GPUs that report ``multicast``."""
+        device = None if multicast is None else driver.DriverFacts(devices=tuple(
+            driver.Device(i, "NVIDIA RTX PRO 6000 Blackwell", (12, 0), multicast, True, False) for i in range(2)))
+        return chain.Chain("sglang 0.5.11", (chain.workspace_step(verdict, device, commands),), verdict)
+
     for multicast in (False, None):
         with pytest.raises(RefusedError) as raised:
             bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
-                            servers=[server], multicast=multicast)
-        assert raised.value.message.startswith("sglang 0.5.11 with flashinfer-python 0.6.8.post1 would not fuse")
+                            servers=[judged(server, multicast)])
+        assert raised.value.message.startswith("sglang 0.5.11 would not fuse on these GPUs: on a GPU without multicast")
         assert "preflight probe failed" in raised.value.message
         assert raised.value.hint == "run `sm120patch apply --python /srv/env/bin/python` first"
     assert bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
-                           servers=[server], multicast=True) == 2
+                           servers=[judged(server, True)]) == 2
     fused = server._replace(missing=())
     assert bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="patched",
-                           servers=[fused], multicast=False) == 2
+                           servers=[judged(fused, False)]) == 2
 
 
 def test_the_report_names_the_server_path_the_workers_followed():

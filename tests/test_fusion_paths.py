@@ -239,28 +239,35 @@ def test_the_map_names_what_each_pinned_combination_needs(server, version, flash
 
 
 def test_a_pair_that_falls_back_is_told_so_and_the_printed_command_makes_it_fuse(tmp_path, wheel_cache):
-    """SGLang 0.5.11 with the FlashInfer it pins (0.6.8.post1): status says the server falls back
-    on a PCIe GPU and prints the command; run exactly as printed, it applies both missing patches
-    and status then says the server enters fusion (and the files are the manifest's patched bytes)."""
+    """SGLang 0.5.11 with the FlashInfer it pins (0.6.8.post1), as released: the fusion chain
+    blocks at FlashInfer's gates first, and its workspace step names both patches without which
+    the server falls back on a PCIe GPU; the printed command, run exactly as printed, applies
+    them all, and the headline then says it fuses with the release's flag (the files are the
+    manifest's patched bytes). The device step points at doctor, which works as printed too."""
     env = ServingEnv(tmp_path / "venv", tmp_path / "home")
     make_venv(env.root, [fetch_wheel("flashinfer-python", "0.6.8.post1", wheel_cache),
                          fetch_wheel("sglang", "0.5.11", wheel_cache)])
-    before = run_cli("status", "--python", str(env.python))
-    line = next(line for line in before.output.splitlines() if "fusion:" in line)
-    assert line.startswith("  ! fusion:") and "falls back to unfused allreduce" in line
-    assert "Apply sglang:preflight-unicast, flashinfer-python:unicast-workspace to make it fuse" in line
-    printed = line.rsplit("`", 2)[1]
-    assert printed == f"sm120patch apply --python {env.python}"
-    words = shlex.split(printed)
-    assert run_cli(*words[1:]).exit_code == 0
+    before = run_cli("status", "--python", str(env.python), "--json")
+    fusion = next(d for d in json.loads(before.output)["distributions"] if d["name"] == "sglang")["fusion"]
+    steps = {s["id"]: s for s in fusion["steps"]}
+    assert fusion["verdict"] == "will not fuse"
+    assert fusion["headline"].startswith("sglang 0.5.11 will not fuse on SM120: flashinfer-python 0.6.8.post1's "
+                                         "SM120 gates are closed")
+    assert steps["workspace"]["result"] == "blocks"
+    assert "until sglang:preflight-unicast, flashinfer-python:unicast-workspace is applied" in steps["workspace"]["text"]
+    assert "preflight probe failed" in steps["workspace"]["text"]
+    printed = fusion["headline"].rsplit("`", 2)[1]
+    assert printed == steps["workspace"]["fix"] == f"sm120patch apply --python {env.python}"
+    assert run_cli(*shlex.split(printed)[1:]).exit_code == 0
 
     after = run_cli("status", "--python", str(env.python))
     assert after.exit_code == 0, after.output
-    assert "enters fusion: workspace preflight" in after.output and "! fusion:" not in after.output
-    # The pointer to the machine's reading works as printed too.
-    pointer = next(line for line in after.output.splitlines() if "have multicast" in line).rsplit("`", 2)[1]
+    assert ("  - sglang 0.5.11 will fuse on SM120 when started with `--enable-flashinfer-allreduce-fusion`;"
+            in after.output)
+    assert "    workspace     ok       workspace preflight, then the unified workspace" in after.output
+    pointer = next(line for line in after.output.splitlines() if "check: `sm120patch doctor" in line).rsplit("`", 2)[1]
     doctor = run_cli(*shlex.split(pointer)[1:])
-    assert doctor.exit_code == 0 and "fusion: " in doctor.output and "sglang 0.5.11" in doctor.output
+    assert doctor.exit_code == 0 and "sglang 0.5.11 will fuse on SM120" in doctor.output
     assert sorted(env.record_mismatches()) == sorted([PREFLIGHT, COMMUNICATOR, *FLASHINFER_FILES])
 
 

@@ -249,6 +249,25 @@ def test_sglang_09_crash_in_flashinfers_jit_gate_points_at_apply(tmp_path):
     assert doc["crash"]["patched_by"] is None  # compilation_context.py is not a file sm120patch patches
 
 
+def test_with_python_the_chain_of_that_environment_names_the_exact_fix_or_says_it_is_open(tmp_path, serving_env):
+    """The same crash, read with --python: the pristine environment's chain blocks at the same
+    step and gives its exact command; once patched, the chain judges that step open, and the log
+    check says the server cannot have run from that environment."""
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    text = sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker)
+    python = str(serving_env.python)
+    code, doc = check(tmp_path, text, "--python", python)
+    assert code == 1 and doc["step"] == "kernel-gates" and doc["version_from"] == "--python", doc
+    assert doc["predicted"]["verdict"] == "will not fuse"
+    assert doc["fix"].endswith(f" — here: `sm120patch apply --python {python}`")
+    assert run_cli("apply", "--python", python).exit_code == 0
+    code, doc = check(tmp_path, text, "--python", python)
+    assert code == 1 and doc["predicted"]["verdict"] == "will fuse"
+    assert "— here:" not in doc["fix"]
+    assert any(n.startswith(f"status judges the kernel-gates step open in {python}") for n in doc["notes"])
+
+
 VLLM_FI = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
 

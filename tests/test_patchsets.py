@@ -187,3 +187,26 @@ def test_the_registry_knows_each_shipped_distribution_from_data():
     assert vllm.needs_nothing(Version("0.11.0")) and not vllm.needs_nothing(Version("0.11.1"))
     # Every patch names a semantic check that exists (parse refuses the others).
     assert all(p.check for ps in registry.patch_sets for p in ps.patches)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (('by = "auto-enable"', 'by = "auto-enabel"'), "fusion_chain.auto_enable #2 names no patch of sglang: auto-enabel"),
+    (('limits = "for gpt-oss', 'limit = "for gpt-oss'), "fusion_chain.auto_enable #1: needs versions, by"),
+    (('[fusion_chain]\n', '[fusion_chain]\nspeed = "fast"\n'), "fusion_chain: unknown key(s) speed"),
+])
+def test_the_fusion_chain_data_is_checked_on_load(tmp_path, edit, message):
+    """A [fusion_chain] row that names a patch the distribution does not have, misses a field or
+    has an unknown key is one clear error when the data is read, not a wrong sentence later."""
+    import shutil
+
+    from sm120patch.data import data_dir
+
+    root = tmp_path / "patches"
+    shutil.copytree(data_dir("patches"), root)
+    path = root / "sglang" / "distribution.toml"
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(PatchDataError) as raised:
+        load_registry(root)
+    assert message in str(raised.value)

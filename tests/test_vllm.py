@@ -57,6 +57,9 @@ def test_status_says_the_pass_stays_off_until_fusion_table_and_how_to_turn_it_on
 
     doctor = session("doctor")
     assert f"vllm 0.19.0 {SIZES_ITSELF}" in doctor.output
+    # FlashInfer stayed as released: the chain blocks there, and doctor says so with the command.
+    assert (f"vllm 0.19.0 will not fuse on SM120: flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are closed"
+            in doctor.output)
 
     assert session("revert").exit_code == 0
     assert changed(before, snapshot(env)) == []
@@ -89,6 +92,12 @@ def test_from_0_29_every_patch_is_opt_in_and_status_says_why(tmp_path):
     assert "vllm 0.29.0: nothing required (opt-in patches only)" in status.output
     assert "also sends them through FlashInfer on SM120" in status.output
     assert "patched" not in status.output.split("vllm 0.29.0:")[1].splitlines()[0]
+    fusion = next(d for d in json.loads(session("status", "--json").output)["distributions"]
+                  if d["name"] == "vllm")["fusion"]
+    assert fusion["headline"].startswith("vllm 0.29.0 will not fuse on SM120: flashinfer-python is not installed")
+    gate = next(s for s in fusion["steps"] if s["id"] == "server-gates")
+    assert gate["result"] == "ok" and gate["condition"] == "pass_config.fi_allreduce_fusion_max_size_mb set in its --compilation-config"
+    assert "(or `--with fusion-table`)" in gate["text"]
     applied = session("apply", "--vllm")
     assert applied.exit_code == 0, applied.output
     assert "patched" not in applied.output  # nothing was, so nothing is claimed
@@ -97,6 +106,9 @@ def test_from_0_29_every_patch_is_opt_in_and_status_says_why(tmp_path):
     opted = session("apply", "--vllm", "--with", "fusion-table")
     assert opted.exit_code == 0 and "vllm 0.29.0: patched 1 file" in opted.output
     assert "vllm 0.29.0: patched" in session("status").output
+    fusion = next(d for d in json.loads(session("status", "--json").output)["distributions"]
+                  if d["name"] == "vllm")["fusion"]
+    assert next(s for s in fusion["steps"] if s["id"] == "server-gates")["condition"] is None
     verified = session("verify")
     assert verified.exit_code == 0 and "FI_ALLREDUCE_FUSION_MAX_SIZE_MB keys: [90, 120, 100, 103, 107]" in verified.output
     assert session("revert").exit_code == 0

@@ -435,7 +435,8 @@ def doctor(python, jit_cache_base, as_json):
     version pins, upstream fixes, whether SGLang turns fusion on by itself."""
     from sm120patch import doctor as checks, pipeline, render
 
-    report = checks.doctor(lambda: pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)))
+    report = checks.doctor(lambda device: pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base),
+                                                          device=device))
     return show(report, as_json, render.render_doctor, render.doctor_json)
 
 

@@ -111,6 +111,26 @@ class FusionPath(NamedTuple):
                                              and self.with_.contains(with_version, prereleases=True))))
 
 
+class AutoEnable(NamedTuple):
+    """Fusion on by default in the releases ``versions`` matches, without the server's flag
+    (the ``requested`` step of chain.py): ``by`` "release" (the release does it itself on SM120
+    once its gates accept it) or the id of the opt-in patch that does it."""
+
+    versions: SpecifierSet
+    by: str
+    limits: str  # where it holds, in words: "at TP2, for the models SGLang auto-enables it for"
+
+
+class ServerGate(NamedTuple):
+    """An opt-in patch that the server needs for fusion on SM120 in the releases ``versions``
+    matches, unless it is started with ``instead`` (vLLM 0.29+: fusion-table, or
+    pass_config.fi_allreduce_fusion_max_size_mb)."""
+
+    versions: SpecifierSet
+    patch: str
+    instead: str
+
+
 class CheckoutLayout(NamedTuple):
     """How a git checkout of the project maps the wheel's paths (RECORD paths) to its own."""
 
@@ -227,6 +247,10 @@ class Distribution(NamedTuple):
     fusion_flags: tuple[FusionFlag, ...] = ()
     fusion_paths: tuple[FusionPath, ...] = ()
     fusion_with: str | None = None  # the distribution whose release fusion_paths also depend on
+    # [fusion_chain]: what chain.py needs beyond the patch sets and the rows above.
+    auto_enables: tuple[AutoEnable, ...] = ()
+    server_gates: tuple[ServerGate, ...] = ()
+    tp_advice: str = ""  # may name {bench}: the bench command for the same target
     checkout: CheckoutLayout | None = None
     verify: VerifySpec = VerifySpec()
     directory: Path = Path(".")
@@ -440,6 +464,9 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         paths.append(FusionPath(specifier(raw["versions"], fwhere), specifier(raw["with"], fwhere), raw["workspace"],
                                 raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
+    auto_enables, server_gates, tp_advice = _fusion_chain(doc, where)
+    if (auto_enables or server_gates or tp_advice) and not paths:
+        raise PatchDataError(f"{where}: fusion_chain is for a server (a distribution with fusion_path rows)")
     if paths and not fusion_with:
         raise PatchDataError(f"{where}: fusion_path rows need fusion_with (the distribution whose release they also depend on)")
     checkout = None
@@ -467,9 +494,36 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
         not_covered=tuple(not_covered), fusion_flags=tuple(flags),
-        fusion_paths=tuple(paths), fusion_with=fusion_with, checkout=checkout, verify=verify,
+        fusion_paths=tuple(paths), fusion_with=fusion_with, auto_enables=auto_enables, server_gates=server_gates,
+        tp_advice=tp_advice, checkout=checkout, verify=verify,
         directory=directory,
     )
+
+
+def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[ServerGate, ...], str]:
+    raw = doc.get("fusion_chain", {})
+    cwhere = f"{where}: fusion_chain"
+    if not isinstance(raw, dict):
+        raise PatchDataError(f"{cwhere} is a table")
+    unknown = set(raw) - {"auto_enable", "server_gate", "tp"}
+    if unknown:
+        raise PatchDataError(f"{cwhere}: unknown key(s) {', '.join(sorted(unknown))}")
+    autos = []
+    for index, row in enumerate(raw.get("auto_enable", [])):
+        awhere = f"{cwhere}.auto_enable #{index + 1}"
+        if not all(isinstance(row.get(key), str) and row[key] for key in ("versions", "by", "limits")):
+            raise PatchDataError(f"{awhere}: needs versions, by (\"release\" or a patch id) and limits")
+        autos.append(AutoEnable(specifier(row["versions"], awhere), row["by"], row["limits"]))
+    gates = []
+    for index, row in enumerate(raw.get("server_gate", [])):
+        gwhere = f"{cwhere}.server_gate #{index + 1}"
+        if not all(isinstance(row.get(key), str) and row[key] for key in ("versions", "patch", "instead")):
+            raise PatchDataError(f"{gwhere}: needs versions, patch and instead")
+        gates.append(ServerGate(specifier(row["versions"], gwhere), row["patch"], row["instead"]))
+    tp = raw.get("tp", "")
+    if not isinstance(tp, str):
+        raise PatchDataError(f"{cwhere}: tp is a sentence")
+    return tuple(autos), tuple(gates), tp
 
 
 def selectors(directory: Path | None = None) -> list[tuple[str, str]]:
@@ -502,6 +556,13 @@ def load_registry(directory: Path | None = None, *, full: bool = True) -> Regist
             if d.fusion_paths and d.fusion_with not in ids:
                 raise PatchDataError(f"{d.name}/distribution.toml: fusion_with names no distribution of sm120patch: "
                                      f"{d.fusion_with}")
+            own = ids.get(d.name, set())
+            named = [(f"auto_enable #{i + 1}", r.by) for i, r in enumerate(d.auto_enables) if r.by != "release"]
+            named += [(f"server_gate #{i + 1}", r.patch) for i, r in enumerate(d.server_gates)]
+            for label, patch_id in named:
+                if patch_id not in own:
+                    raise PatchDataError(f"{d.name}/distribution.toml: fusion_chain.{label} names no patch of {d.name}: "
+                                         f"{patch_id}")
             for index, row in enumerate(d.fusion_paths):
                 unknown = [f"{owner}:{patch_id}" for owner, patch_id in row.needs if patch_id not in ids.get(owner, ())]
                 if unknown:

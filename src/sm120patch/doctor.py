@@ -17,6 +17,7 @@ from typing import Callable
 from packaging.version import Version
 
 from sm120patch import driver
+from sm120patch.chain import StepResult
 from sm120patch.errors import ExitCode
 from sm120patch.reports import StatusReport
 
@@ -207,11 +208,12 @@ def examine_driver(report: DoctorReport, facts: driver.DriverFacts) -> None:
         report.add("ok", f"peer-to-peer access between every pair of the {len(facts.devices)} GPUs")
 
 
-def doctor(status: Callable[[], StatusReport]) -> DoctorReport:
-    """``sm120patch doctor``: the machine first, then the environment (``status``) as it bears on it."""
+def doctor(status: Callable[[driver.DriverFacts | None], StatusReport]) -> DoctorReport:
+    """``sm120patch doctor``: the machine first, then the environment (``status``, given the
+    driver's answers so that each server's fusion chain is judged for these GPUs)."""
     report = DoctorReport()
     examine_machine(report)
-    examine_environment(report, status())
+    examine_environment(report, status(report.driver))
     return report
 
 
@@ -227,10 +229,13 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
             report.add(level, text)
         if item.pin:
             report.add("info", item.pin)
-        if item.fusion is not None:
-            multicast = report.driver.multicast if report.driver is not None else None
-            report.add("warn" if item.fusion.enters is False and multicast is not True else "info",
-                       "fusion: " + item.fusion.render(multicast=multicast))
+        if item.chain is not None:
+            chain = item.chain
+            report.add({"will fuse": "ok", "will not fuse": "warn"}.get(chain.verdict, "info"), chain.headline)
+            for step in chain.steps:
+                if step.result is not StepResult.OK:
+                    report.add("info", f"  {step.id} {step.result.value}: {step.text}"
+                               + (f" (fix: `{step.fix}`)" if step.fix else ""))
         if item.jit is not None:
             for entry in item.jit.stale:
                 report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")

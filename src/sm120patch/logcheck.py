@@ -22,6 +22,8 @@ from typing import Callable, Iterator, NamedTuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from sm120patch import pipeline
+from sm120patch.chain import STEPS, StepResult
 from sm120patch.data import data_dir
 from sm120patch.distributions import specifier
 from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError, UsageError
@@ -32,7 +34,6 @@ from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTI
 SERVERS = ("sglang", "vllm")
 KINDS = ("version", "config", "tp", "requested", "progress", "ready", "fused", "kernel", "fell-back", "crashed",
          "signature", "note")
-STEPS = ("device", "kernel-gates", "server-gates", "requested", "workspace", "jit", "tp")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][A-Za-z0-9]|\x1b[=>]")
 FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
 TRACEBACK = "Traceback (most recent call last):"
@@ -636,6 +637,14 @@ def _installed_version(python: str, server: str | None, registry) -> tuple[str |
                      hint="--python names the interpreter the server runs; or give --version")
 
 
+def _predicted(python: str, server: str | None):
+    """The fusion chain status judges for ``server`` in the environment of ``python`` (None:
+    no server there has one)."""
+    report = pipeline.status(pipeline.Request(python=python))
+    return next((t.chain for t in report.trees if t.chain is not None and (server is None or t.distribution.name == server)),
+                None)
+
+
 def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], None] | None = None) -> LogCheckReport:
     from sm120patch.distributions import load_registry
 
@@ -657,8 +666,21 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
     source = request.source
     deadline = time.monotonic() + request.timeout if request.follow else None
 
+    predicted = _predicted(request.python, server) if request.python else None
+
     def finish(timed_out: bool = False) -> LogCheckReport:
-        return analysis.report(source, registry=registry, timed_out=timed_out)
+        report = analysis.report(source, registry=registry, timed_out=timed_out)
+        report.predicted = predicted
+        if predicted is not None and report.step and report.verdict != FUSED:
+            # The log names the step; the chain of this environment has its exact command, or
+            # judges that step open, which means the server did not run from this environment.
+            step = predicted.step(report.step)
+            if step.result is StepResult.BLOCKS and step.fix:
+                report.fix = f"{report.fix or step.text} — here: `{step.fix}`"
+            elif step.result is StepResult.OK and report.step not in ("requested", "tp"):
+                report.notes = [*report.notes, f"status judges the {report.step} step open in {request.python} "
+                                               f"({step.text}): did the server run from that environment?"]
+        return report
 
     if source == "-":
         lines = _stdin_lines(deadline)

@@ -19,12 +19,11 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import jitcache, signals
+from sm120patch import chain, jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning
 from sm120patch.distributions import ANY, Registry, load_registry
 from sm120patch.environment import Environment, Probe, start_probe
 from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
-from sm120patch.fusionpath import judge
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import install_locks
@@ -176,7 +175,9 @@ def _hold(located: Located, request: Request) -> ExitStack:
 
 # -- status ----------------------------------------------------------------------------------------
 
-def status(request: Request, registry: Registry | None = None) -> StatusReport:
+def status(request: Request, registry: Registry | None = None, *, device=None) -> StatusReport:
+    """``device``: the driver's answers (``driver.DriverFacts``, doctor reads them first), for the
+    fusion chain's device step; None: status leaves the driver alone."""
     registry = registry or load_registry(full=False)
     located = locate(request, registry)
     trees, aot = [], []
@@ -208,7 +209,7 @@ def status(request: Request, registry: Registry | None = None) -> StatusReport:
                                 with_raw_version=with_version.raw_version if with_version else "",
                                 routed_from=routed.get(tree.distribution.name), branch=branch,
                                 branch_error=branch_error))
-    trees = _fusion_verdicts(trees, located)
+    trees = _chains(trees, located, aot, device)
     site_dirs = list(dict.fromkeys(t.dist.site_dir for t in located.installed))
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
                         registry_names=registry.names, apply_command=located.command("apply"),
@@ -216,18 +217,24 @@ def status(request: Request, registry: Registry | None = None) -> StatusReport:
                         temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)])
 
 
-def _fusion_verdicts(trees: list[TreeStatus], located: Located) -> list[TreeStatus]:
-    """Each server's path past the gate, judged with the patches applied to it and to the
-    distribution it fuses with (when that one is assessed in this run too)."""
+def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> list[TreeStatus]:
+    """Each server's fusion chain, judged once from every assessment of this run (the patches
+    applied to it and to the distribution it fuses with, that one's JIT entries)."""
     if located.env is None:
         return trees
-    applied = {t.distribution.name: t.assessment.applied_ids for t in trees}
+    assessed = [t.assessment for t in trees]
+    by_name = {t.distribution.name: t for t in trees}
+    commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
+                              doctor=located.command("doctor"), bench=located.command("bench"),
+                              status=located.command("status"), diff=command("diff", located.options[0]))
     judged = []
     for item in trees:
         d = item.distribution
         if d.fusion_paths:
-            item = item._replace(fusion=judge(d, item.assessment.raw_version, item.tree.version,
-                                              located.env.get(d.fusion_with), applied, target=located.where))
+            kernels = by_name.get(d.fusion_with)
+            item = item._replace(chain=chain.evaluate(
+                item.assessment, kernels.assessment if kernels else None, located.env.get(d.fusion_with),
+                jit=kernels.jit if kernels else None, aot=aot, assessed=assessed, commands=commands, device=device))
         judged.append(item)
     return judged
 

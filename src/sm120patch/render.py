@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sm120patch.assess import Origin, State, Verdict
+from sm120patch.chain import Chain, StepResult
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
 
@@ -69,8 +70,46 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
     return lines
 
 
+def _chain_lines(chain: Chain) -> list[str]:
+    """The fusion chain under its server, one step a line (the headline is at the top)."""
+    lines = ["  fusion chain:"]
+    width = max(len(step.id) for step in chain.steps)
+    for step in chain.steps:
+        lines.append(f"    {step.id:<{width}}  {step.result.value:<7}  {step.text}")
+        if step.result is not StepResult.OK and step.fix:
+            # What ends a block fixes it; what ends an unknown reads what is not known.
+            word = "fix" if step.result is StepResult.BLOCKS else "check"
+            lines.append(f"    {'':<{width}}  {'':<7}  {word}: `{step.fix}`")
+        if step.note:
+            lines.append(f"    {'':<{width}}  {'':<7}  note: {step.note}")
+    return lines
+
+
+def chain_json(chain: Chain) -> dict:
+    fusion = chain.fusion
+    return {
+        "verdict": chain.verdict,
+        "headline": chain.headline,
+        "conditions": chain.conditions,
+        "steps": [{"id": s.id, "result": s.result.value, "text": s.text, "fix": s.fix or None,
+                   "condition": s.condition or None, "note": s.note or None} for s in chain.steps],
+        "workspace": None if fusion is None else {
+            "with": fusion.with_ if fusion.installed else None,
+            "path": fusion.path.path if fusion.path else None,
+            "missing": list(fusion.missing),
+            "unknown": list(fusion.unknown),
+        },
+    }
+
+
 def render_status(report: StatusReport) -> str:
     lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
+    chains = [item.chain for item in report.trees if item.chain is not None]
+    if chains:
+        # The answer first: every server's verdict over the whole chain (its steps are below it).
+        lines.append("")
+        lines.append("Will it fuse?")
+        lines += [f"  {'!' if c.verdict == 'will not fuse' else '-'} {c.headline}" for c in chains]
     if not report.trees:
         lines.append(f"  none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed here: "
                      "nothing here is patched (exit code 1); --python names the interpreter your server runs")
@@ -107,12 +146,8 @@ def render_status(report: StatusReport) -> str:
             lines.append(f"  {'!' if level == 'warn' else 'note:'} {text}")
         if item.pin:
             lines.append(f"  note: {item.pin} (sm120patch patches each as installed)")
-        if item.fusion is not None:
-            mark = "! fusion:" if item.fusion.enters is False else "fusion:"
-            lines.append(f"  {mark} {item.fusion.render()}")
-            if item.fusion.path is not None:
-                # status leaves the driver alone (cuInit alone took 190 ms on one H200, docs/benchmarks.md)
-                lines.append(f"    (whether this machine's GPUs have multicast: `{item.fusion.doctor_command}`)")
+        if item.chain is not None:
+            lines += _chain_lines(item.chain)
         if item.branch_error is not None:
             raise item.branch_error
         if item.branch:
@@ -184,14 +219,7 @@ def status_json(report: StatusReport) -> dict:
             "unpinned": bool(a.unpinned or (a.ledger and a.ledger.unpinned)),
             "pin_mismatch": item.pin,
             "advice": [{"level": level, "text": text} for level, text in item.advice_lines()],
-            "fusion_without_multicast": None if item.fusion is None else {
-                "enters": item.fusion.enters,
-                "with": item.fusion.with_ if item.fusion.installed else None,
-                "path": item.fusion.path.path if item.fusion.path else None,
-                "missing": list(item.fusion.missing),
-                "unknown": list(item.fusion.unknown),
-                "text": item.fusion.render(),
-            },
+            "fusion": None if item.chain is None else chain_json(item.chain),
             "patches": [],
             "jit_cache": None if item.jit is None else {
                 "base": str(item.jit.base.path),
@@ -674,6 +702,8 @@ def render_log_check(report) -> str:
         lines.append(f"  seen: {seen}")
     for note in report.notes:
         lines.append(f"  note: {note}")
+    if report.predicted is not None:
+        lines.append(f"  status predicted: {report.predicted.headline}")
     lines.append(f"verdict: {report.summary}")
     if report.step:
         lines.append(f"  step: {report.step}")
@@ -694,4 +724,5 @@ def log_check_json(report) -> dict:
             "backend": report.backend, "expected_ranks": report.expected_ranks,
             "ranks": [r._asdict() for r in report.ranks], "crash": crash, "notes": list(report.notes),
             "seen": list(report.seen), "lines": report.lines, "timed_out": report.timed_out,
+            "predicted": chain_json(report.predicted) if report.predicted is not None else None,
             "exit_code": int(report.exit_code)}

@@ -12,10 +12,10 @@ from sm120patch import jitcache
 from sm120patch.assess import Assessment, status_exit_code
 from sm120patch.distributions import Advice, Distribution
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError
-from sm120patch.fusionpath import FusionVerdict
 from sm120patch.state import Orphan
 
 if TYPE_CHECKING:
+    from sm120patch.chain import Chain
     from sm120patch.checkout import Commit, Undo
     from sm120patch.plan import Plan, PlannedFile
     from sm120patch.transaction import Recovery
@@ -41,7 +41,7 @@ class TreeStatus(NamedTuple):
     pin: str | None = None
     jit: JitStatus | None = None
     routed_from: Path | None = None  # an editable install, shown as its checkout
-    fusion: FusionVerdict | None = None  # past the gate, on a GPU without multicast
+    chain: Chain | None = None  # a server's fusion chain (chain.py)
     with_raw_version: str = ""  # the installed release of the distribution's fusion_with
     branch: str | None = None  # sm120patch's branch in a checkout
     branch_error: Sm120PatchError | None = None  # its note could not be read: the text report says so
@@ -241,6 +241,7 @@ class LogCheckReport:
     seen: Sequence[str] = ()  # an unknown release: the fusion-related lines that were there
     lines: int = 0
     timed_out: bool = False
+    predicted: Chain | None = None  # --python: what status judges for this server's environment
     errors = ()
 
     @property

@@ -40,19 +40,22 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     registry = load_registry(full=False)
     # Every installed distribution: the one whose kernels bench runs, and the servers whose
     # workspace path it follows.
+    # The driver is read first, so that each server's fusion chain is judged for these GPUs.
+    device = driver.query()
     status = pipeline.status(pipeline.Request(python=str(request.python) if request.python else None,
-                                              jit_base=str(request.jit_base) if request.jit_base else None), registry)
+                                              jit_base=str(request.jit_base) if request.jit_base else None), registry,
+                             device=device)
     kernels = next((d.name for d in registry if d.jit_module), None)
     tree = next((t for t in status.trees if t.distribution.name == kernels), None)
     if tree is None:
         raise UsageError(f"{kernels} is not installed in {status.target}")
     target = probe_target(Path(status.target), kernels)
     request = replace(request, python=Path(status.target), given_python=request.python is not None, kernels=kernels)
-    servers = [t.fusion for t in status.trees if t.fusion is not None and t.fusion.path is not None]
+    chains = [t.chain for t in status.trees if t.chain is not None]
     world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
-                           aot_shadows=[s.path for s in status.aot], servers=servers,
-                           multicast=driver.query().multicast)
-    report = run(request, world_size=world_size, on_event=on_event, servers=servers)
+                           aot_shadows=[s.path for s in status.aot], servers=chains)
+    paths = [c.fusion for c in chains if c.fusion is not None and c.fusion.path is not None]
+    report = run(request, world_size=world_size, on_event=on_event, servers=paths)
     report.sglang_flag = _sglang_flag(registry, status)
     report.advice = [(t.assessment.name, level, text) for t in status.trees for level, text in t.advice_lines(bench=True)]
     return report

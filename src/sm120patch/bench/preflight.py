@@ -8,7 +8,7 @@ from typing import Sequence
 
 from sm120patch.bench.target import TargetInfo, kernels_distribution
 from sm120patch.errors import RefusedError, TargetError, UsageError
-from sm120patch.fusionpath import FusionVerdict
+from sm120patch.chain import Chain, StepResult
 from sm120patch.invocation import command
 
 # trtllm_allreduce_fusion refuses any other world size ("Supported ranks: 2, 4, 8, 16").
@@ -56,11 +56,9 @@ def parse_int_list(text: str, *, option: str, minimum: int, maximum: int, multip
 
 
 def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: str | None,
-              aot_shadows: Sequence[str] = (), servers: Sequence[FusionVerdict] = (),
-              multicast: bool | None = None) -> int:
+              aot_shadows: Sequence[str] = (), servers: Sequence[Chain] = ()) -> int:
     """Every reason the run cannot start, as one clear error; returns the world size.
-    ``servers``: each installed server's path past the gate; ``multicast``: whether the GPUs
-    report multicast (None: the driver was not read)."""
+    ``servers``: each installed server's fusion chain, judged for these GPUs."""
     python = request.python
     # With --python given, the environment is the one the user meant: say what it lacks, not
     # to pass the option they passed.
@@ -104,9 +102,11 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
                 "or runs an empty kernel",
                 hint=f"run `{command('apply', ('--python', str(python)))}` first",
             )
-    if multicast is not True:  # the workers would see the fall-back too; say why before any GPU work
-        for server in servers:
-            if server.enters is False:
-                raise RefusedError(f"{server.server} with {server.with_} would not fuse on these GPUs (no multicast): "
-                                   f"{server.path.without}", hint=f"run `{server.apply_command}` first")
+    # The workers make each server's workspace as it does: where the chain says that falls back on
+    # these GPUs, the workers would see the fall-back too; say why before any GPU work.
+    for server in servers:
+        step = server.step("workspace")
+        if step.result is StepResult.BLOCKS:
+            raise RefusedError(f"{server.server} would not fuse on these GPUs: {step.text}",
+                               hint=f"run `{step.fix}` first" if step.fix else None)
     return tp

@@ -13,6 +13,9 @@ version_added: "0.1.0"
 description:
   - Runs C(sm120patch status --json) and returns its document; changes nothing.
   - C(patched) is true when every installed distribution is patched or fixed upstream (status exit code 0).
+  - C(fusion) has, for each installed server (SGLang, vLLM), the verdict of its whole fusion chain as status
+    judges it (C(will fuse), C(will not fuse), C(not known)), the one-sentence headline, and the options it
+    must be started with; C(status.distributions[].fusion.steps) has every step.
 options:
   python:
     description: The interpreter the server runs.
@@ -30,6 +33,11 @@ EXAMPLES = r"""
 
 - ansible.builtin.debug:
     msg: "{{ inventory_hostname }}: {{ sm120.patched }}"
+
+- name: Stop before a restart that would not fuse
+  ansible.builtin.assert:
+    that: sm120.fusion | selectattr('verdict', 'ne', 'will fuse') | list | length == 0
+    fail_msg: "{{ sm120.fusion | map(attribute='headline') | join('; ') }}"
 """
 
 RETURN = r"""
@@ -41,6 +49,16 @@ patched:
   description: Whether every installed distribution is patched (or fixed upstream).
   returned: always
   type: bool
+fusion:
+  description: One entry per installed server with a fusion chain.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    server: {description: "The server and its release, e.g. C(sglang 0.5.9).", type: str}
+    verdict: {description: "C(will fuse), C(will not fuse) or C(not known).", type: str}
+    headline: {description: The sentence status prints at its top, with the fix where a step blocks., type: str}
+    conditions: {description: "The options the server must be started with (empty: on by default).", type: list}
 exit_code:
   description: sm120patch status's exit code (0 patched, 1 not patched, 3 drift or an interrupted run).
   returned: always
@@ -67,7 +85,10 @@ def main():
     if params["jit_cache_base"]:
         argv += ["--jit-cache-base", params["jit_cache_base"]]
     rc, document = run_json(module, argv)
-    module.exit_json(changed=False, status=document, patched=rc == 0, exit_code=rc)
+    fusion = [{"server": f"{d['name']} {d['version']}", "verdict": d["fusion"]["verdict"],
+               "headline": d["fusion"]["headline"], "conditions": d["fusion"]["conditions"]}
+              for d in document.get("distributions", []) if d.get("fusion")]
+    module.exit_json(changed=False, status=document, patched=rc == 0, fusion=fusion, exit_code=rc)
 
 
 if __name__ == "__main__":

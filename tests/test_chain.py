@@ -1,0 +1,152 @@
+"""The fusion chain (chain.py) and its headline, on the real FlashInfer 0.6.4 + SGLang 0.5.9
+wheels (the README's pair): each state a user meets, from pristine to fused, as status prints
+it and as --json carries every step. A changed sentence or step fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+
+from helpers import FLASHINFER_VERSION, SGLANG_VERSION, run_cli, snapshot
+from sm120patch import chain, driver, pipeline
+
+pytestmark = pytest.mark.wheels
+
+FLAG = "--enable-flashinfer-allreduce-fusion"
+
+
+def fusion_of(sm120patch, *args: str) -> dict:
+    """sglang's fusion chain from status --json."""
+    result = sm120patch("status", "--json", *args)
+    document = json.loads(result.output)
+    return next(d for d in document["distributions"] if d["name"] == "sglang")["fusion"]
+
+
+def results(fusion: dict) -> dict[str, str]:
+    return {s["id"]: s["result"] for s in fusion["steps"]}
+
+
+def headline(output: str) -> str:
+    lines = output.splitlines()
+    at = lines.index("Will it fuse?")
+    return lines[at + 1]
+
+
+def commands(sm120patch, words: str) -> str:
+    env = sm120patch.env
+    return shlex.join(["sm120patch", *words.split(), "--python", str(env.python), "--jit-cache-base", str(env.home)])
+
+
+def test_pristine_says_it_will_not_fuse_and_why_with_the_command_that_fixes_it(sm120patch):
+    fusion = fusion_of(sm120patch)
+    apply = commands(sm120patch, "apply")
+    assert fusion["verdict"] == "will not fuse"
+    assert fusion["headline"] == (
+        f"sglang {SGLANG_VERSION} will not fuse on SM120: flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are "
+        "closed (not patched: jit-gate, pdl-gates, lamport-stride, cluster-clamp, cluster-clamp-moe, "
+        f"cluster-clamp-custom not applied) — `{apply}`")
+    assert results(fusion) == {"device": "unknown", "kernel-gates": "blocks", "server-gates": "blocks",
+                               "requested": "ok", "workspace": "ok", "jit": "ok", "tp": "ok"}
+    steps = {s["id"]: s for s in fusion["steps"]}
+    assert steps["server-gates"]["text"] == f"sglang {SGLANG_VERSION}'s SM120 gates are closed (not patched: fusion-gate not applied)"
+    assert steps["kernel-gates"]["fix"] == steps["server-gates"]["fix"] == apply
+    assert steps["device"]["fix"] == commands(sm120patch, "doctor")
+    assert steps["requested"]["condition"] == FLAG
+    # The text report leads with the same sentence, marked.
+    assert headline(sm120patch("status").output) == "  ! " + fusion["headline"]
+
+
+def test_after_apply_it_names_the_flag_and_that_the_first_start_compiles(sm120patch):
+    printed = fusion_of(sm120patch)["headline"].rsplit("`", 2)[1]
+    assert run_cli(*shlex.split(printed)[1:]).exit_code == 0  # the fix, run exactly as printed
+    fusion = fusion_of(sm120patch)
+    assert fusion["verdict"] == "will fuse"
+    assert fusion["conditions"] == [FLAG]
+    assert fusion["headline"] == (
+        f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`; its first start compiles "
+        f"trtllm_comm (minutes per rank's first call): `{commands(sm120patch, 'build')}` builds it now")
+    assert results(fusion) == {"device": "unknown", "kernel-gates": "ok", "server-gates": "ok", "requested": "ok",
+                               "workspace": "ok", "jit": "ok", "tp": "ok"}
+    jit = next(s for s in fusion["steps"] if s["id"] == "jit")
+    assert jit["text"].startswith(f"no trtllm_comm built for {FLASHINFER_VERSION} in ") and jit["note"]
+
+
+def test_auto_enable_applied_fuses_without_a_flag(sm120patch):
+    assert sm120patch("apply", "--with", "auto-enable").exit_code == 0
+    fusion = fusion_of(sm120patch)
+    assert fusion["verdict"] == "will fuse" and fusion["conditions"] == []
+    assert fusion["headline"].startswith(
+        f"sglang {SGLANG_VERSION} will fuse on SM120 without a flag: auto-enable applied, on by default on one node, "
+        f"for the models SGLang auto-enables fusion for, at every TP size; otherwise with {FLAG};")
+
+
+def test_a_built_entry_drops_the_first_start_note_and_a_stale_one_blocks_until_apply_removes_it(sm120patch):
+    env = sm120patch.env
+    assert sm120patch("apply").exit_code == 0
+    env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
+    fusion = fusion_of(sm120patch)
+    assert fusion["headline"] == f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`"
+    jit = next(s for s in fusion["steps"] if s["id"] == "jit")
+    assert jit["result"] == "ok" and jit["text"].endswith(" for 120a") and jit["note"] is None
+
+    # An entry older than the patched sources (built before the patch, restored from a backup):
+    # FlashInfer would load it as it is.
+    entry = env.jit_entry("120a", "trtllm_comm")
+    for path in entry.iterdir():
+        os.utime(path, (0, 0))
+    fusion = fusion_of(sm120patch)
+    assert fusion["verdict"] == "will not fuse"
+    assert results(fusion)["jit"] == "blocks"
+    assert fusion["headline"] == (f"sglang {SGLANG_VERSION} will not fuse on SM120: {entry} was built before its sources "
+                                  f"last changed, and FlashInfer loads it as it is — `{commands(sm120patch, 'apply')}`")
+    assert run_cli(*shlex.split(fusion["headline"].rsplit("`", 2)[1])[1:]).exit_code == 0
+    assert not entry.exists()
+    assert fusion_of(sm120patch)["verdict"] == "will fuse"
+
+
+def test_partly_patched_blocks_at_the_server_and_a_selector_makes_the_kernels_unknown(sm120patch):
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    fusion = fusion_of(sm120patch)
+    assert results(fusion)["kernel-gates"] == "ok" and results(fusion)["server-gates"] == "blocks"
+    assert fusion["headline"].startswith(f"sglang {SGLANG_VERSION} will not fuse on SM120: sglang {SGLANG_VERSION}'s "
+                                         "SM120 gates are closed")
+    assert sm120patch("apply", "--sglang").exit_code == 0
+    # FlashInfer left out by the selector: its gates are not known, so neither is the verdict.
+    only = fusion_of(sm120patch, "--sglang")
+    assert only["verdict"] == "not known"
+    assert results(only)["kernel-gates"] == "unknown"
+    assert only["headline"].startswith(f"sglang {SGLANG_VERSION}: whether it fuses on SM120 is not known: "
+                                       f"flashinfer-python {FLASHINFER_VERSION} was not assessed in this run")
+
+
+def _devices(capability: tuple[int, int], multicast: bool, peers: bool = True) -> driver.DriverFacts:
+    devices = tuple(driver.Device(i, "GPU", capability, multicast, True, False) for i in range(2))
+    return driver.DriverFacts(devices=devices, peer_access={(0, 1): peers, (1, 0): peers})
+
+
+def test_the_device_step_judged_with_the_drivers_answers(read_only_env):
+    """What doctor and bench pass in: on SM90 upstream fuses without a patch (the pristine gates
+    do not block there); on SM120 the pristine gates do; no peer access blocks at the device."""
+    request = pipeline.Request(python=str(read_only_env.python), jit_base=str(read_only_env.home))
+    before = snapshot(read_only_env)
+
+    def chain_for(facts):
+        report = pipeline.status(request, device=facts)
+        return next(t.chain for t in report.trees if t.chain is not None)
+
+    hopper = chain_for(_devices((9, 0), multicast=False))
+    assert hopper.verdict == "will fuse" and hopper.upstream_device == "SM90"
+    assert hopper.headline.startswith(f"sglang {SGLANG_VERSION} will fuse on these GPUs (SM90) when started with `{FLAG}`")
+    assert hopper.step("kernel-gates").text == "not needed on SM90: upstream supports it"
+
+    blackwell = chain_for(_devices((12, 0), multicast=False))
+    assert blackwell.step("device").result is chain.StepResult.OK
+    assert blackwell.step("device").text == "2 GPUs, compute capability 12.0; no multicast; peer access between every pair"
+    assert blackwell.blocking.id == "kernel-gates"
+
+    no_peers = chain_for(_devices((12, 0), multicast=False, peers=False))
+    assert no_peers.blocking.id == "device" and "no peer access GPU0->GPU1, GPU1->GPU0" in no_peers.blocking.text
+    assert snapshot(read_only_env) == before
