@@ -185,6 +185,23 @@ def preflight_bytes(version: str, wheel_cache) -> tuple[bytes, bytes]:
     return pristine, patched
 
 
+def log_verdict(tmp_path, server: str, version: str, messages: list[str], *, process: str | None = None) -> dict:
+    """``check-log --json`` on what the release's own code logged under the stand-in driver, in
+    that release's log format (read from its wheel, as test_logcheck does), after the settings
+    line that asks for fusion: the verdict a user's log would get."""
+    import test_logcheck as logs
+
+    if server == "sglang":
+        text = logs.sglang_settings(version, 2, True) + "".join(logs.sglang_line(version, " TP0", m) for m in messages)
+    else:
+        text = logs.vllm_settings(version, 2, True) + "".join(
+            logs.vllm_line(version, process, "flashinfer_all_reduce.py:42", m, level="WARNING") for m in messages)
+    log = tmp_path / f"{server}-{version}.log"
+    log.write_text(text)
+    result = run_cli("check-log", str(log), "--server", server, "--version", version, "--json")
+    return {"exit_code": result.exit_code, **json.loads(result.output)}
+
+
 @pytest.mark.parametrize("version", ["0.5.11", "0.5.14", "0.5.23"])  # the preflight's three layouts
 def test_sglang_preflight_without_multicast_pristine_skips_fusion_patched_proceeds(fusion_env, wheel_cache,
                                                                                  tmp_path, version):
@@ -205,6 +222,9 @@ def test_sglang_preflight_without_multicast_pristine_skips_fusion_patched_procee
     assert [c for c in results["patched"]["calls"] if c.startswith("cuMulticast")] == []
     assert results["patched"]["calls"].count("cuMemCreate") == 3  # the three buffers, probed unicast
     assert results["patched"]["log"] == []
+    # What that code logged, in the release's format, is a fall-back at the workspace step.
+    verdict = log_verdict(tmp_path, "sglang", version, results["pristine"]["log"])
+    assert verdict["exit_code"] == 1 and verdict["verdict"] == "fell-back" and verdict["step"] == "workspace", verdict
 
 
 def test_sglang_preflight_patched_still_aligns_to_multicast_where_the_gpu_has_it(fusion_env, wheel_cache, tmp_path):
@@ -379,6 +399,8 @@ def test_vllm_019_manager_without_multicast_falls_back_with_flashinfer_as_releas
     pristine = run_standin(fusion_env, VLLM_SCRIPT, manager)
     assert pristine["outcome"] == "returned None", pristine
     assert any("expected on GPUs without NVSwitch" in line for line in pristine["log"]), pristine["log"]
+    verdict = log_verdict(tmp_path, "vllm", "0.19.0", pristine["log"], process="Worker_TP0")
+    assert verdict["exit_code"] == 1 and verdict["verdict"] == "fell-back" and verdict["step"] == "workspace", verdict
 
     session = Session(fusion_env)
     assert session("apply", "--flashinfer").exit_code == 0
@@ -432,6 +454,8 @@ def test_sglang_0510_manager_without_multicast_turns_fusion_off_as_released_and_
     assert pristine["outcome"] == "fusion off", pristine
     assert pristine["log"] == ["Failed to initialize FlashInfer workspace: [SymmDeviceMemory] Device does not support "
                                "multicasting.. Disabling flashinfer allreduce fusion permanently."]
+    verdict = log_verdict(tmp_path, "sglang", "0.5.10", pristine["log"])
+    assert verdict["exit_code"] == 1 and verdict["verdict"] == "fell-back" and verdict["step"] == "workspace", verdict
 
     session = Session(fusion_env)
     assert session("apply", "--flashinfer").exit_code == 0
