@@ -91,3 +91,8 @@ class TransactionError(Sm120PatchError):
     """A write failed; the transaction was rolled back (the message says what is left)."""
 
     exit_code = ExitCode.FAILED
+
+
+class BuildInterrupted(CheckFailedError):
+    """A signal ended ``apply --build``'s build after the patch was committed: the patch stands,
+    so the exit code is the build's failure (1), never 128 + the signal ("rolled back")."""

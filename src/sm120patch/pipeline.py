@@ -23,7 +23,7 @@ from sm120patch import jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning
 from sm120patch.distributions import ANY, Registry, load_registry
 from sm120patch.environment import Environment, Probe, start_probe
-from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
+from sm120patch.errors import BuildInterrupted, RefusedError, Sm120PatchError, UsageError
 from sm120patch.fusionpath import judge
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at, read_journal
@@ -316,12 +316,20 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         if request.dry_run:
             return report
         write(report, located, plans, request, operation="apply")
-    signals.resume()  # the write and its cleanup are over: a build (minutes) can be interrupted
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
-            report.builds = _build(located, request)
+            # A build takes minutes: a signal may end it, even after the commit point. Once it
+            # is over, signals are only noted again, so that the report is printed whole.
+            with signals.interruptible():
+                report.builds = _build(located, request)
         except Sm120PatchError as exc:  # the patch stands; the report says so, then the error
             report.build_error = exc
+        except signals.Interrupted as exc:
+            if signals.STATE.committed is None:  # nothing was written by this run: nothing stands
+                raise
+            report.build_error = BuildInterrupted(
+                f"the build was interrupted ({signals.name(exc.signum)}); the patch stands",
+                hint=f"`{located.command('build')}` builds it")
     return report
 
 

@@ -1,0 +1,112 @@
+"""Reliability, round four (issue 38): a signal while apply prints its report (after its commit
+point), a refused apply that must change nothing in the JIT cache either, `manifest add` given a
+bad wheel, and the state of installs that are all gone. Each test runs sm120patch as a user does
+(a process of its own, or the CLI) and checks the files and the exit code, not only the words."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import FLASHINFER_FILES, need, sm120patch_argv
+from sm120patch.errors import ExitCode
+from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
+
+STRACE = shutil.which("strace")
+SIGNALS = (("INT", 130), ("TERM", 143), ("HUP", 129))
+STD_WRITE = re.compile(r"^write\((?P<fd>[12])<")  # a write to stdout or stderr (strace -y names the fd)
+
+
+def digest(paths) -> str:
+    """One hash of the bytes of ``paths`` (what "patched" means here: the files, not a message)."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def traced(argv: list[str], trace: Path, syscall: str, *inject: str) -> subprocess.CompletedProcess:
+    """``argv`` under strace (this process only, not the target's probe), tracing ``syscall``;
+    ``inject``: strace's -e inject=... expression."""
+    extra = [arg for expression in inject for arg in ("-e", f"inject={expression}")]
+    return subprocess.run([STRACE, "-y", "-o", str(trace), "-e", f"trace={syscall}", *extra, *argv],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+
+
+def calls(trace: Path, syscall: str) -> list[str]:
+    return [line for line in trace.read_text().splitlines() if line.startswith(f"{syscall}(")]
+
+
+# -- 1. a signal while apply prints its report -------------------------------------------------
+
+def toy_argv(toy, command: str) -> list[str]:
+    return [sys.executable, "-m", "sm120patch", command, "--python", str(toy.venv / "bin" / "python"),
+            "--jit-cache-base", str(toy.home)]
+
+
+def test_a_signal_while_apply_prints_its_report_does_not_say_rolled_back(toy, tmp_path):
+    """SIGINT, SIGTERM and SIGHUP in turn at every write of apply's report to stdout or stderr:
+    the patch was committed before the report, so the run exits 0, the files are patched and
+    the report is whole; the signal is said to have come after the commit."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    comm = toy.site / "toyfuse" / "comm.py"
+    pristine = digest([comm])
+    clean = traced(toy_argv(toy, "apply"), tmp_path / "clean.txt", "write")
+    assert clean.returncode == 0, clean.stderr
+    patched, report = digest([comm]), clean.stdout
+    assert patched != pristine and "patched 1 file" in report
+    writes = [n for n, line in enumerate(calls(tmp_path / "clean.txt", "write"), 1) if STD_WRITE.match(line)]
+    assert writes, "the report was not written"
+    for index, n in enumerate(writes):
+        assert subprocess.run(toy_argv(toy, "revert"), capture_output=True).returncode == 0
+        assert digest([comm]) == pristine
+        name, _ = SIGNALS[index % len(SIGNALS)]
+        trace = tmp_path / f"signal-{n}.txt"
+        proc = traced(toy_argv(toy, "apply"), trace, "write", f"write:signal={name}:when={n}")
+        assert STD_WRITE.match(calls(trace, "write")[n - 1]), f"write #{n} is not the report's"
+        where = f"SIG{name} at write #{n}"
+        assert digest([comm]) == patched, f"{where}: not patched"
+        assert proc.returncode == 0, f"{where}: exit {proc.returncode}: {proc.stderr}"
+        assert proc.stdout == report, f"{where}: the report was cut: {proc.stdout!r}"
+        assert "rolled back" not in proc.stderr and "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
+        assert f"SIG{name} arrived after the apply was committed" in proc.stderr, f"{where}: {proc.stderr}"
+
+
+def test_a_signal_while_apply_build_reports_or_builds_keeps_the_patch_and_says_so(serving_env, tmp_path):
+    """apply --build on an environment whose build cannot run (no torch here): a signal at the
+    report's writes, or at the wait for the build's process, never exits 128 + the signal
+    ("rolled back"): the files are patched, the report is printed, and the exit code is the
+    failed build's (1)."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    files = [serving_env.file(relpath) for relpath in FLASHINFER_FILES]
+    pristine = digest(files)
+    argv = sm120patch_argv(serving_env, "apply", "--flashinfer", "--build", "--arch", "12.0a")
+    revert = sm120patch_argv(serving_env, "revert", "--flashinfer")
+    clean = traced(argv, tmp_path / "clean.txt", "write,wait4")
+    assert clean.returncode == ExitCode.NOT_OK, clean.stderr
+    patched = digest(files)
+    assert patched != pristine and "flashinfer-python 0.6.4: patched 6 files" in clean.stdout
+    lines = calls(tmp_path / "clean.txt", "write")
+    report = [n for n, line in enumerate(lines, 1) if STD_WRITE.match(line)]
+    waits = calls(tmp_path / "clean.txt", "wait4")
+    points = [("write", report[0]), ("write", report[-1]), ("wait4", len(waits))]  # the last wait: the build's
+    for (syscall, n), (name, _) in zip(points, SIGNALS):
+        assert subprocess.run(revert, capture_output=True).returncode == 0 and digest(files) == pristine
+        proc = traced(argv, tmp_path / f"{syscall}-{n}.txt", "write,wait4", f"{syscall}:signal={name}:when={n}")
+        where = f"SIG{name} at {syscall} #{n}"
+        assert digest(files) == patched, f"{where}: not patched"
+        assert proc.returncode == ExitCode.NOT_OK, f"{where}: exit {proc.returncode}: {proc.stderr}"
+        assert "flashinfer-python 0.6.4: patched 6 files" in proc.stdout, f"{where}: {proc.stdout}"
+        assert "rolled back" not in proc.stderr and "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
+        if syscall == "wait4":
+            assert f"the build was interrupted (SIG{name}); the patch stands" in proc.stderr, f"{where}: {proc.stderr}"
+        else:
+            assert f"SIG{name} arrived after the apply was committed" in proc.stderr, f"{where}: {proc.stderr}"
