@@ -110,3 +110,82 @@ def test_a_signal_while_apply_build_reports_or_builds_keeps_the_patch_and_says_s
             assert f"the build was interrupted (SIG{name}); the patch stands" in proc.stderr, f"{where}: {proc.stderr}"
         else:
             assert f"SIG{name} arrived after the apply was committed" in proc.stderr, f"{where}: {proc.stderr}"
+
+
+# -- 4. a refused apply changes nothing, in the JIT cache either ---------------------------------
+
+def copied_in_entry(env) -> Path:
+    """A trtllm_comm entry without FlashInfer's lock beside it (copied in, restored from a
+    backup): the only case where taking FlashInfer's lock has to create it."""
+    entry = env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    (entry / "trtllm_comm.so").write_bytes(b"\x7fELF")
+    return entry
+
+
+def service_env(shared_dir, flashinfer_wheel):
+    """An environment and a JIT cache base in a directory every user can reach, readable by all."""
+    from helpers import ServingEnv
+
+    system_python = shutil.which("python3", path="/usr/bin")
+    root = shared_dir / "venv"
+    subprocess.run([system_python, "-m", "venv", "--without-pip", str(root)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
+                    "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
+    (shared_dir / "home").mkdir()
+    return ServingEnv(root, shared_dir / "home"), system_python
+
+
+def test_an_apply_refused_for_permissions_creates_nothing_in_the_jit_cache(shared_dir, flashinfer_wheel):
+    """nobody's own JIT cache (where it could create FlashInfer's lock), root's environment: the
+    apply is refused (exit 4), and the JIT cache base is what it was, no cached_ops/tmp/, no lock."""
+    from helpers import run_as_nobody, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    entry = copied_in_entry(env)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.home)], check=True)
+    before = tree_snapshot(env.root, env.home)
+    proc = run_as_nobody(sm120patch_argv(env, "apply", python=system_python), shared_dir)
+    need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    assert "permission denied; nothing was changed" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (entry.parent / "tmp").exists(), sorted(map(str, env.home.rglob("*")))
+    assert tree_snapshot(env.root, env.home) == before
+
+
+def test_root_creating_flashinfers_lock_in_a_service_users_cache_leaves_it_theirs(shared_dir, flashinfer_wheel):
+    """Root applies to nobody's environment, with nobody's JIT cache base, where an entry has no
+    lock yet: cached_ops/tmp/ is created for nobody, who can then still create the lock of any
+    other module there (the server's FlashInfer does, at every build and load)."""
+    from helpers import run_cli
+
+    env, _ = service_env(shared_dir, flashinfer_wheel)
+    entry = copied_in_entry(env)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    result = run_cli("apply", "--python", str(env.python), "--jit-cache-base", str(env.home))
+    assert result.exit_code == 0, result.output
+    tmp = entry.parent / "tmp"
+    assert (tmp.stat().st_uid, tmp.stat().st_gid) == (65534, 65534)
+    assert (tmp / "trtllm_comm.lock").stat().st_uid == 65534
+    other = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "touch",
+                            str(tmp / "norm.lock")], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr
+    assert run_cli("revert", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+
+
+def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, flashinfer_wheel):
+    """nobody's environment whose site-packages is mode 0555: "run sm120patch as nobody" would
+    be no help to nobody; the hint names the mode and the chmod."""
+    from helpers import run_as_nobody, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    env.site_packages.chmod(0o555)
+    before = tree_snapshot(env.root, env.home)
+    proc = run_as_nobody(sm120patch_argv(env, "apply", python=system_python), shared_dir)
+    need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    assert f"cannot write {env.site_packages}: permission denied; nothing was changed" in proc.stderr
+    assert "run sm120patch as nobody" not in proc.stderr, proc.stderr
+    assert f"is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
+    assert tree_snapshot(env.root, env.home) == before

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sm120patch import jitcache
+from sm120patch.fileops import check_writable
 from sm120patch.hashing import sha256
 from sm120patch.reports import ChangeReport
 from sm120patch.state import Owner, orphans, state_root
@@ -40,14 +41,20 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
                     owners[root] = tree.owner
             # Stale JIT entries first: moved aside before any source changes, so no server
             # can load an entry built from sources that are about to change.
-            changes = []
+            changes, jit_locks = [], []
             for tree in located.installed:
-                changes += _jit_changes(tree, plans, request, report, locks, roots[0])
+                changes += _jit_changes(tree, plans, request, report, jit_locks, roots[0])
             for tree, plan in writes.transaction:
                 changes += install_changes(tree, plan, operation)
             changes += _orphan_changes(located, report)
             if not changes:
                 return
+            # The pre-flight before any lock is taken: taking FlashInfer's lock may create its
+            # lock file (and cached_ops/tmp/) in the JIT cache, and a run refused for
+            # permissions must have changed nothing anywhere. (begin() checks again, under the locks.)
+            check_writable([change.path for change in changes])
+            for lock in jit_locks:
+                locks.enter_context(lock())
             Transaction(operation, roots, owners, changes,
                         revert_command=located.command("revert --force")).run_all()
     except BaseException:
@@ -110,8 +117,9 @@ def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Cha
 
 
 def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,
-                 locks: ExitStack, root: Path) -> list[Change]:
-    """Move aside the module's entries of this version (jitcache says which), under its lock."""
+                 locks: list, root: Path) -> list[Change]:
+    """Move aside the module's entries of this version (jitcache says which), under its lock
+    (added to ``locks``, to be taken once the pre-flight has passed)."""
     module = tree.distribution.jit_module
     plan = next((p for p in plans if p.assessment.tree is tree), None)
     if not module or plan is None:
@@ -125,6 +133,7 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
     if not changes:
         return []
     entries = [change.path for change in changes]
-    locks.enter_context(jitcache.module_locks(entries, module, owner=Owner.of(base.path), on_wait=request.on_wait))
+    owner = Owner.of(base.path)
+    locks.append(lambda: jitcache.module_locks(entries, module, owner=owner, on_wait=request.on_wait))
     report.jit_removed += entries
     return changes
