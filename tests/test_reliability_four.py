@@ -189,3 +189,40 @@ def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, 
     assert "run sm120patch as nobody" not in proc.stderr, proc.stderr
     assert f"is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
     assert tree_snapshot(env.root, env.home) == before
+
+
+# -- 3. the state of installs that are all gone --------------------------------------------------
+
+@pytest.mark.parametrize("command", ["revert", "apply", "revert --force"])
+def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patch, serving_env, command):
+    """Every patched distribution uninstalled: status names their state, the command removes
+    exactly it (nothing else in the environment changes), and a second run finds nothing."""
+    import json
+
+    from helpers import snapshot
+
+    assert sm120patch("apply").exit_code == 0
+    names = sorted(p.name for p in serving_env.state_root.iterdir())
+    assert len(names) == 2, names  # flashinfer's and sglang's
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(serving_env.python), "uninstall", "--yes", "--quiet",
+                    "flashinfer-python", "sglang"], check=True)
+    status = sm120patch("status", "--json")
+    orphaned = json.loads(status.output)["orphaned_state"]
+    assert sorted(o["install"] for o in orphaned) == names, status.output
+    files = sorted(f for o in orphaned for f in o["files"])
+    assert files == sorted(str(p) for p in serving_env.state_root.rglob("*") if p.is_file())
+    before = snapshot(serving_env)
+    cleaned = sm120patch(*command.split())
+    assert cleaned.exit_code == 0, cleaned.output
+    for name in names:
+        assert f"removed sm120patch's state of {name}" in cleaned.output, cleaned.output
+    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    after = snapshot(serving_env)
+    root = str(serving_env.state_root)
+    gone = sorted(set(before) - set(after))
+    assert gone == sorted(k for k in before if k == root or k.startswith(root + "/")), gone  # exactly the state
+    assert [k for k in after if before.get(k) != after[k]] == []  # and nothing else changed
+    again = sm120patch(*command.split())
+    assert again.exit_code == ExitCode.USAGE and "none of flashinfer-python, sglang" in again.output, again.output
+    assert json.loads(sm120patch("status", "--json").output)["orphaned_state"] == []
+

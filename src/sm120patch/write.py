@@ -29,16 +29,16 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
         commit = plan.assessment.tree.write(plan, writes)
         if commit is not None:
             next(r for r in report.results if r.plan is plan).commit = commit
-    if not located.installed:
+    if not located.state_dirs:
         return
     try:
         with ExitStack() as locks:
             roots, owners = [], {}
-            for tree in located.installed:
-                root = state_root(tree.dist.site_dir)
+            for site_dir in located.state_dirs:  # the installs' locations (or, none installed, the orphans')
+                root = state_root(site_dir)
                 if root not in roots:
                     roots.append(root)
-                    owners[root] = tree.owner
+                    owners[root] = Owner.of(site_dir)
             # Stale JIT entries first: moved aside before any source changes, so no server
             # can load an entry built from sources that are about to change.
             changes, jit_locks = [], []
@@ -67,7 +67,7 @@ def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
     """The state of installs that are gone (uninstalled, or another version now), removed in the
     same transaction: a full revert then leaves no .sm120patch/ behind."""
     changes = []
-    for site_dir in dict.fromkeys(t.dist.site_dir for t in located.installed):
+    for site_dir in located.state_dirs:
         for orphan in orphans(site_dir):
             report.orphans_removed.append(orphan)
             changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
