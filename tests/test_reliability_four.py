@@ -187,7 +187,7 @@ def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, 
     assert proc.returncode == ExitCode.FAILED, proc.stderr
     assert f"cannot write {env.site_packages}: permission denied; nothing was changed" in proc.stderr
     assert "run sm120patch as nobody" not in proc.stderr, proc.stderr
-    assert f"is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
+    assert "is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
     assert tree_snapshot(env.root, env.home) == before
 
 
