@@ -63,9 +63,11 @@ def test_dry_run_never_builds(sm120patch, serving_env):
     assert changed(before, snapshot(serving_env)) == []
 
 
-def test_a_target_without_torch_is_exit_2_and_the_patch_stays(sm120patch, serving_env):
+def test_a_target_without_torch_is_a_failed_build_and_the_patch_stays(sm120patch, serving_env):
+    """The build cannot start, but the patch was applied: exit 1 (the build failed), not 2
+    ("bad input": nothing was done)."""
     result = sm120patch("apply", "--build", "--arch", "12.0a")
-    assert result.exit_code == ExitCode.USAGE
+    assert result.exit_code == ExitCode.NOT_OK
     assert "flashinfer-python 0.6.4: patched 6 files" in result.output  # said first: it happened
     one_clear_error(result.output, "FlashInfer's JIT does not import in")
     assert "No module named" in result.output

@@ -5,6 +5,7 @@ releases are removed; adding them back must give the shipped files byte for byte
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -83,29 +84,45 @@ def test_adding_a_removed_release_back_gives_the_shipped_pin_and_manifest_byte_f
     assert again.exit_code == 0 and "already pinned by" in again.output
 
 
+def as_release(source: Path, old: str, new: str, directory: Path, edits: dict[str, bytes] | None = None) -> Path:
+    """The wheel ``source`` (release ``old``) rebuilt as release ``new``, as upstream would
+    publish it: its .dist-info renamed, METADATA's Version: and the file name saying ``new``, the
+    files in ``edits`` replaced, and RECORD listing every file with its hash."""
+    import csv
+
+    name = source.name.split("-")[0]
+    old_info, new_info = f"{name}-{old}.dist-info/", f"{name}-{new}.dist-info/"
+    target = directory / source.name.replace(f"-{old}-", f"-{new}-")
+    rows = []
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+        for item in original.infolist():
+            path = new_info + item.filename[len(old_info):] if item.filename.startswith(old_info) else item.filename
+            if path == new_info + "RECORD":
+                continue
+            content = (edits or {}).get(path, original.read(item))
+            if path == new_info + "METADATA":
+                assert f"\nVersion: {old}\n".encode() in content
+                content = content.replace(f"\nVersion: {old}\n".encode(), f"\nVersion: {new}\n".encode(), 1)
+            out.writestr(path, content)
+            rows.append([path, record_hash(content), len(content)])
+        record = io.StringIO()
+        csv.writer(record, lineterminator="\n").writerows([*rows, [new_info + "RECORD", "", ""]])
+        out.writestr(new_info + "RECORD", record.getvalue())
+    return target
+
+
 def moved_site_wheel(tmp_path: Path, version: str) -> Path:
     """SGLang 0.5.23's wheel as release ``version``, with the fusion predicate's SM100 test
     moved out of flashinfer_ar_fusion_applies() into a helper (its RECORD updated to match)."""
     source = fetch_wheel("sglang", "0.5.23")
     relpath = "sglang/srt/layers/layer_boundary/residual/add_norm.py"
-    target = tmp_path / source.name.replace("0.5.23", version)
-    with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+    with zipfile.ZipFile(source) as original:
         text = original.read(relpath).decode()
-        old = "        (_is_sm90_supported or _is_sm100_supported)\n"
-        assert text.count(old) == 1
-        changed = text.replace(old, "        _arch_supported()\n") + (
-            "\n\ndef _arch_supported():\n    return _is_sm90_supported or _is_sm100_supported\n")
-        digest = record_hash(changed.encode())
-        for item in original.infolist():
-            content = original.read(item)
-            if item.filename == relpath:
-                content = changed.encode()
-            elif item.filename.endswith(".dist-info/RECORD"):
-                lines = io.StringIO(content.decode()).read().splitlines()
-                content = "\n".join(f"{relpath},{digest},{len(changed.encode())}" if line.startswith(relpath + ",")
-                                    else line for line in lines).encode() + b"\n"
-            out.writestr(item, content)
-    return target
+    old = "        (_is_sm90_supported or _is_sm100_supported)\n"
+    assert text.count(old) == 1
+    changed = text.replace(old, "        _arch_supported()\n") + (
+        "\n\ndef _arch_supported():\n    return _is_sm90_supported or _is_sm100_supported\n")
+    return as_release(source, "0.5.23", version, tmp_path, {relpath: changed.encode()})
 
 
 @pytest.mark.wheels
@@ -129,9 +146,7 @@ def test_a_release_whose_site_moved_is_refused_with_the_counts_and_nothing_is_wr
 @pytest.mark.wheels
 def test_a_set_that_fits_away_from_its_neighbours_gets_a_new_file_named_after_the_release(data, tmp_path, wheel_cache):
     # 0.5.14's bytes as a release 0.5.24: the sets of 0.5.15-0.5.23 do not fit, 0.5.14's does.
-    source = fetch_wheel("sglang", "0.5.14", wheel_cache)
-    wheel = tmp_path / source.name.replace("0.5.14", "0.5.24")
-    shutil.copyfile(source, wheel)
+    wheel = as_release(fetch_wheel("sglang", "0.5.14", wheel_cache), "0.5.14", "0.5.24", tmp_path)
     added = run_cli("manifest", "add", "sglang", "0.5.24", "--wheel", str(wheel))
     assert added.exit_code == 0, added.output
     assert "pinned to new file 0.5.24.toml (a copy of sglang/0.5.14.toml)" in added.output
@@ -216,11 +231,58 @@ def test_an_installed_sm120patch_is_never_changed_by_manifest_add(tmp_path, monk
         shutil.copytree(source, packaged / name, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.delenv("SM120PATCH_DATA_DIR", raising=False)
     monkeypatch.setattr(sm120patch.data, "_PACKAGE_DATA", packaged)
-    source = fetch_wheel("sglang", "0.5.14", wheel_cache)
-    wheel = tmp_path / source.name.replace("0.5.14", "0.5.24")
-    shutil.copyfile(source, wheel)
+    wheel = as_release(fetch_wheel("sglang", "0.5.14", wheel_cache), "0.5.14", "0.5.24", tmp_path)
     before = tree(packaged)
     result = run_cli("manifest", "add", "sglang", "0.5.24", "--wheel", str(wheel))
     assert result.exit_code == ExitCode.USAGE, result.output
     assert "runs from an installed wheel" in result.output and "SM120PATCH_DATA_DIR" in result.output
     assert tree(packaged) == before
+
+
+# -- a --wheel that is not the release it claims, or not a wheel at all (issue 38) ----------------
+
+@pytest.mark.wheels
+@pytest.mark.parametrize("cut", ["truncated", "corrupt"])
+def test_a_truncated_or_corrupt_wheel_is_one_line(data, tmp_path, flashinfer_wheel, cut):
+    """A cut download (the end of the archive missing), or one whose bytes were damaged in the
+    middle (a member's CRC no longer matches): bad input in one line, nothing written."""
+    wheel = as_release(flashinfer_wheel, "0.6.4", "0.6.4.post1", tmp_path)  # a release sm120patch does not know
+    content = bytearray(wheel.read_bytes())
+    if cut == "truncated":
+        content = content[:len(content) // 2]
+    else:
+        with zipfile.ZipFile(io.BytesIO(bytes(content))) as archive:
+            info = archive.getinfo("flashinfer/jit/comm.py")
+        start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+        content[start + info.compress_size // 2] ^= 0xFF
+    wheel.write_bytes(bytes(content))
+    before = data_tree(data)
+    result = run_cli("manifest", "add", "flashinfer-python", "0.6.4.post1", "--wheel", str(wheel))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    lines = [line for line in result.output.splitlines() if not line.startswith("hint: ")]
+    assert lines == [f"sm120patch: error: {wheel}: " + lines[0].split(f"{wheel}: ", 1)[1]], result.output
+    assert "not a readable wheel" in lines[0] and "truncated or damaged" in lines[0]
+    assert data_tree(data) == before
+
+
+def test_a_fifo_as_the_wheel_is_refused_at_once(data, tmp_path, shell):
+    fifo = tmp_path / "sglang-0.5.24-py3-none-any.whl"
+    os.mkfifo(fifo)
+    ran = shell(f"sm120patch manifest add sglang 0.5.24 --wheel {fifo}", timeout=30)
+    assert ran.returncode == ExitCode.USAGE, (ran.stdout, ran.stderr)
+    assert ran.stderr == f"sm120patch: error: {fifo} is a FIFO (named pipe), not a wheel file\n"
+
+
+@pytest.mark.wheels
+def test_a_wheel_renamed_to_another_release_is_refused(data, tmp_path, flashinfer_wheel):
+    """0.6.4's wheel renamed 0.6.4.post1: its METADATA says 0.6.4, so it is not 0.6.4.post1's,
+    and no pin or manifest of 0.6.4.post1 is written from 0.6.4's bytes."""
+    wheel = tmp_path / flashinfer_wheel.name.replace("0.6.4", "0.6.4.post1")
+    shutil.copyfile(flashinfer_wheel, wheel)
+    before = data_tree(data)
+    result = run_cli("manifest", "add", "flashinfer-python", "0.6.4.post1", "--wheel", str(wheel))
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert result.output.splitlines()[0] == (f"sm120patch: error: {wheel}: its METADATA says flashinfer-python 0.6.4, "
+                                             "its file name flashinfer-python 0.6.4.post1: a renamed wheel is not "
+                                             "that release")
+    assert data_tree(data) == before

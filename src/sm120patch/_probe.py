@@ -135,6 +135,8 @@ def main():
         "base_prefix": getattr(sys, "base_prefix", sys.prefix),
         "user_base": getattr(site, "USER_BASE", None) or "",
         "distributions": {name: describe(normalize(name), listings) for name in sys.argv[1:]},
+        # where sm120patch's state of an install that is gone can be (its install location)
+        "path": [entry for entry in sys.path if entry and os.path.isdir(entry)],
     }))
 
 

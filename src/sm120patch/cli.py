@@ -293,7 +293,9 @@ def status(python, source, jit_cache_base, as_json, **selectors):
                             "sm120patch apply --python ~/ml-env/bin/python3 --flashinfer 0.6.4 --sglang 0.5.9",
                             "sm120patch apply --python ~/ml-env/bin/python3 --sglang --with symm-mem --dry-run",
                             "sm120patch apply --source ~/src/sglang"],
-                           [(0, "patched, or nothing to change"), USAGE,
+                           [(0, "patched, or nothing to change"),
+                            (1, "--build: the patch was applied; the build failed, could not start or was interrupted"),
+                            USAGE,
                             (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
                                 "nothing was changed"),
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),

@@ -159,6 +159,7 @@ class Environment(NamedTuple):
     user_base: Path | None
     distributions: Mapping[str, InstalledDistribution | None] = MappingProxyType({})
     base_prefix: Path | None = None  # sys.base_prefix: a venv's base interpreter
+    search_path: tuple[Path, ...] = ()  # the directories on its sys.path: install locations
 
     def shares_base(self, dist: InstalledDistribution) -> bool:
         """Whether ``dist`` is installed in the base interpreter's site-packages, which this venv
@@ -306,6 +307,7 @@ class Probe(NamedTuple):
             user_base=Path(data["user_base"]) if data["user_base"] else None,
             distributions={name: _from_probe(name, raw, rows(name, raw)) if raw else None
                            for name, raw in data["distributions"].items()},
+            search_path=tuple(dict.fromkeys(Path(entry) for entry in data.get("path", ()))),
         )
 
 

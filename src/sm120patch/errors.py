@@ -15,7 +15,8 @@ class ExitCode(enum.IntEnum):
 
     OK = 0
     # status: something installed is not (fully) patched; verify/bench: a check failed or could
-    # not run; revert: something could not be restored (the rest was).
+    # not run; revert: something could not be restored (the rest was); build, and apply --build
+    # once the patch is applied: the build did not succeed (failed, could not start, interrupted).
     NOT_OK = 1
     USAGE = 2  # bad input: options, --python, a version selector, patch-set data
     REFUSED = 3  # a file is not the release's bytes (drift), no pinned patch set, an interrupted run
@@ -90,3 +91,8 @@ class TransactionError(Sm120PatchError):
     """A write failed; the transaction was rolled back (the message says what is left)."""
 
     exit_code = ExitCode.FAILED
+
+
+class BuildInterrupted(CheckFailedError):
+    """A signal ended ``apply --build``'s build after the patch was committed: the patch stands,
+    so the exit code is the build's failure (1), never 128 + the signal ("rolled back")."""

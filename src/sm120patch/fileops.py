@@ -16,7 +16,7 @@ from typing import Sequence
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
-from sm120patch.state import Owner
+from sm120patch.state import Owner, permission_hint
 
 ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
 
@@ -113,7 +113,5 @@ def check_writable(paths: Sequence[Path]) -> None:
             if os.statvfs(probe).f_flag & os.ST_RDONLY:
                 reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
             else:
-                reason = "permission denied"
-                owner = Owner.of(probe)
-                hint = f"run sm120patch as {owner.user}, who owns it"
+                reason, hint = "permission denied", permission_hint(probe)
             raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint)

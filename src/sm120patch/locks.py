@@ -26,7 +26,7 @@ def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], Non
     ``create``); say once that it waits, give up after ``timeout`` seconds."""
     try:
         if create and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(path.parent, owner)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             if owner is not None:
                 owner.apply(path)
@@ -53,6 +53,24 @@ def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], Non
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _make_dirs(directory: Path, owner: Owner | None) -> None:
+    """``directory`` and its missing parents, each given ``owner``: root creating FlashInfer's
+    ``cached_ops/tmp/`` in a service user's cache must leave it that user's, or the user could
+    no longer create the lock of any module there (the server would fail to build or load)."""
+    missing = []
+    probe = directory
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()  # the mode FlashInfer's own makedirs gives it (0777 less the umask)
+        except FileExistsError:
+            continue
+        if owner is not None:
+            owner.apply(path)
 
 
 def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,

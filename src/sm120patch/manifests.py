@@ -73,14 +73,15 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
     from packaging.utils import parse_wheel_filename  # slow import (packaging.tags): only here
 
     from sm120patch.rewriters import apply_edits
-    from sm120patch.wheels import read_wheel
+    from sm120patch.wheels import check_release, damaged, read_wheel
 
     name, version, _, _ = parse_wheel_filename(wheel.name)
     if name != patch_set.distribution or version not in patch_set.versions:
         raise PatchDataError(f"{wheel.name} is not pinned by {patch_set.name}")
     archive, record = read_wheel(wheel)
     files = {}
-    with archive:
+    with archive, damaged(wheel):
+        check_release(archive, wheel)  # its METADATA is that release too: a renamed wheel is not
         for relpath in patch_set.files:
             if relpath not in record:
                 raise PatchDataError(f"{wheel.name}: {relpath} is not in the wheel's RECORD")

@@ -23,7 +23,7 @@ from sm120patch import chain, jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning
 from sm120patch.distributions import ANY, Registry, load_registry
 from sm120patch.environment import Environment, Probe, start_probe
-from sm120patch.errors import RefusedError, Sm120PatchError, UsageError
+from sm120patch.errors import BuildInterrupted, RefusedError, Sm120PatchError, UsageError
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import install_locks
@@ -98,6 +98,20 @@ class Located:
         """An sm120patch command for this same target, that works when copied as printed."""
         return command(words, *self.options)
 
+    @property
+    def state_dirs(self) -> list[Path]:
+        """The install locations whose sm120patch state this run reports and may clean: those of
+        the installs it acts on; with none installed (every patched distribution uninstalled),
+        each directory on the target's sys.path that still has a state root, so that the state
+        of installs that are all gone is shown and removed too, not left forever."""
+        dirs = list(dict.fromkeys(t.dist.site_dir for t in self.installed))
+        if dirs or self.env is None:
+            return dirs
+        return [d for d in self.env.search_path if state_root(d).is_dir()]
+
+    def orphans(self) -> list:
+        return [o for d in self.state_dirs for o in orphans(d)]
+
 
 def locate(request: Request, registry: Registry) -> Located:
     """The trees to act on: a checkout (``--source``), or the selected distributions of the
@@ -167,7 +181,7 @@ def _nothing_installed(located: Located, registry: Registry) -> UsageError:
 def _hold(located: Located, request: Request) -> ExitStack:
     """The locks of every tree: an flock on each install location; on each checkout's .git."""
     stack = ExitStack()
-    stack.enter_context(install_locks([t.dist.site_dir for t in located.installed], on_wait=request.on_wait))
+    stack.enter_context(install_locks(located.state_dirs, on_wait=request.on_wait))
     for tree in located.checkouts:
         stack.enter_context(tree.lock(request.on_wait))
     return stack
@@ -210,7 +224,7 @@ def status(request: Request, registry: Registry | None = None, *, device=None) -
                                 routed_from=routed.get(tree.distribution.name), branch=branch,
                                 branch_error=branch_error))
     trees = _chains(trees, located, aot, device)
-    site_dirs = list(dict.fromkeys(t.dist.site_dir for t in located.installed))
+    site_dirs = located.state_dirs
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
                         registry_names=registry.names, apply_command=located.command("apply"),
                         orphans=[o for d in site_dirs for o in orphans(d)],
@@ -293,7 +307,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
 
     registry = registry or load_registry()
     located = locate(request, registry)
-    if not located.trees:
+    if not located.trees and (request.dry_run or not located.orphans()):
         raise _nothing_installed(located, registry)
     _selected_ids(located, request.with_ids, registry)
     report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed)
@@ -301,8 +315,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         if request.dry_run:
             _refuse_pending(located)
         else:
-            report.recovery = recover([t.dist.site_dir for t in located.installed],
-                                      revert_command=located.command("revert --force"))
+            report.recovery = recover(located.state_dirs, revert_command=located.command("revert --force"))
             _clean_leftovers(located, request, report)
         plans = []
         for tree in located.trees:
@@ -323,12 +336,20 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         if request.dry_run:
             return report
         write(report, located, plans, request, operation="apply")
-    signals.resume()  # the write and its cleanup are over: a build (minutes) can be interrupted
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
-            report.builds = _build(located, request)
+            # A build takes minutes: a signal may end it, even after the commit point. Once it
+            # is over, signals are only noted again, so that the report is printed whole.
+            with signals.interruptible():
+                report.builds = _build(located, request)
         except Sm120PatchError as exc:  # the patch stands; the report says so, then the error
             report.build_error = exc
+        except signals.Interrupted as exc:
+            if signals.STATE.committed is None:  # nothing was written by this run: nothing stands
+                raise
+            report.build_error = BuildInterrupted(
+                f"the build was interrupted ({signals.name(exc.signum)}); the patch stands",
+                hint=f"`{located.command('build')}` builds it")
     return report
 
 
@@ -372,11 +393,11 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
 
     registry = registry or load_registry()
     located = locate(request, registry)
-    if not located.trees:
+    if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
         raise _nothing_installed(located, registry)
     report = ChangeReport("revert", located.target, routed=located.routed)
     with _hold(located, request):
-        report.recovery = recover([t.dist.site_dir for t in located.installed], force=request.force,
+        report.recovery = recover(located.state_dirs, force=request.force,
                                   revert_command=located.command("revert --force"))
         _clean_leftovers(located, request, report)
         plans = []
@@ -410,13 +431,13 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     from sm120patch.fileops import prune
     from sm120patch.journal import leftover_runs
 
-    runs = {run for tree in located.installed for run in leftover_runs(tree.dist.site_dir)}
-    for tree in located.installed:  # temporaries and empty directories a killed run left
-        if not journal_at(tree.dist.site_dir).exists():
-            for temporary in temporaries(tree.dist.site_dir):
+    runs = {run for site_dir in located.state_dirs for run in leftover_runs(site_dir)}
+    for site_dir in located.state_dirs:  # temporaries and empty directories a killed run left
+        if not journal_at(site_dir).exists():
+            for temporary in temporaries(site_dir):
                 temporary.unlink(missing_ok=True)
                 report.leftovers_removed.append(temporary)
-            prune(state_root(tree.dist.site_dir))
+            prune(state_root(site_dir))
     if not runs:
         return
     ids = {run.name for run in runs}

@@ -254,7 +254,11 @@ def add(name: str, raw_version: str, *, wheel: Path | None = None, check: bool =
     below = [v for v, _ in _known(distribution) if v < version]
     result.previous = str(below[-1]) if below else None
     archive, record = wheels.read_wheel(wheel)
-    with archive:
+    with archive, wheels.damaged(wheel):
+        # The release is the one the wheel's METADATA names, not its file name alone (which
+        # names this release: _wheel_of, the cache): a wheel renamed to another release would
+        # pin that release to these bytes.
+        wheels.check_release(archive, wheel)
         for patch_set in candidates(distribution, version):
             attempt, files = _try(patch_set, archive, record)
             result.tried.append(attempt)

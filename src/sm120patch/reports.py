@@ -135,7 +135,9 @@ class ChangeReport:
     @property
     def exit_code(self) -> ExitCode:
         if self.build_error is not None:
-            return self.build_error.exit_code
+            # apply --build: the patch was applied; whatever stopped the build (it failed, could
+            # not start, was interrupted) is a failed build, never "bad input" or "rolled back".
+            return ExitCode.NOT_OK
         return ExitCode.REFUSED if self.left else ExitCode.OK
 
     @property

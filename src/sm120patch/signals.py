@@ -4,10 +4,11 @@ the same way, and what the run then says is what happened:
 - before a transaction's commit point the signal is raised as an exception where the run is
   (:class:`Interrupted`, a BaseException as KeyboardInterrupt is); the transaction rolls back,
   and the CLI exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP);
-- while a rollback runs, or from the commit point until the command has finished its write
-  (cleanup, report), a signal is only noted: a rollback cut in half, or a commit reported as a
+- while a rollback runs, or from the commit point until the command has finished (its cleanup
+  and its report), a signal is only noted: a rollback cut in half, or a commit reported as a
   rollback, would each make the message false. The command then finishes, says that the change
-  stands, and exits as it would have.
+  stands, and exits as it would have. The one exception is ``apply --build``'s build
+  (:func:`interruptible`): a signal ends it, and the report says the patch stands.
 
 Only the CLI installs the handlers (:func:`handled`); used as a library, sm120patch leaves the
 process's signals alone and these functions do nothing.
@@ -116,7 +117,7 @@ def held() -> Iterator[None]:
 
 def commit_point(operation: str) -> None:
     """Called just before the commit point: from here the change stands, and signals are only
-    noted until :func:`resume`."""
+    noted until the command has finished (but inside :func:`interruptible`)."""
     if STATE.installed and STATE.committed is None:
         if STATE.noted and not STATE.holding:  # one a finalizer dropped: the change must not stand
             _raise(STATE.noted.pop(0))
@@ -124,11 +125,20 @@ def commit_point(operation: str) -> None:
         STATE.committed = operation
 
 
-def resume() -> None:
-    """The write is over (cleanup done): signals act again. One noted after the commit point
-    stays in :attr:`_State.late` for the CLI to report."""
-    if STATE.installed and STATE.committed is not None and STATE.holding:
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """After the commit point, a section a signal may end (``apply --build``'s build: minutes):
+    inside it a signal is raised as :class:`Interrupted` again; from its end on, signals are only
+    noted again, so the report that follows is printed whole and the exit code stays the one
+    that says the change stands (a signal there is reported as late, never as a rollback)."""
+    resumed = STATE.installed and STATE.committed is not None and STATE.holding > 0
+    if resumed:
         STATE.holding -= 1
+    try:
+        yield
+    finally:
+        if resumed:
+            STATE.holding += 1
 
 
 def late() -> int | None:

@@ -58,6 +58,23 @@ class Owner(NamedTuple):
             return f"uid {self.uid}"
 
 
+def permission_hint(path: Path, owner: Owner | None = None) -> str:
+    """What to do about "permission denied" on ``path`` (``owner``: who owns what it is part of,
+    when ``path`` does not exist yet). To a process that already runs as the owner, "run as the
+    owner" is no way out: the cause is the mode, and the hint says how to change it."""
+    try:
+        info = path.stat()
+        owner, mode = Owner(info.st_uid, info.st_gid), stat.S_IMODE(info.st_mode)
+    except OSError:
+        mode = None
+    if owner is None:
+        return "run sm120patch as the user who owns it"
+    if owner.uid != os.geteuid():
+        return f"run sm120patch as {owner.user}, who owns it"
+    shown = f" is mode {mode:04o}:" if mode is not None else ":"
+    return f"{path}{shown} its owner ({owner.user}, who runs sm120patch) may not write to it; `chmod u+w {shlex.quote(str(path))}`"
+
+
 def state_root(site_dir: Path) -> Path:
     override = os.environ.get("SM120PATCH_STATE_DIR")
     if override:
@@ -82,7 +99,7 @@ def ensure_dir(path: Path, owner: Owner) -> None:
         except PermissionError:
             raise TransactionError(
                 f"cannot create sm120patch's state directory {directory}: permission denied; nothing was changed",
-                hint=f"run sm120patch as {owner.user}, who owns this environment, or set SM120PATCH_STATE_DIR",
+                hint=f"{permission_hint(probe, owner)}, or set SM120PATCH_STATE_DIR",
             ) from None
         except OSError as exc:
             raise TransactionError(f"cannot create sm120patch's state directory {directory}: {exc.strerror}; "

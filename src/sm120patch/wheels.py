@@ -7,18 +7,23 @@ from __future__ import annotations
 import csv
 import io
 import os
+import stat
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from sm120patch.environment import parse_record_hash
 from sm120patch.errors import PatchDataError, Sm120PatchError
+from sm120patch.fileio import KINDS
 
 if TYPE_CHECKING:
     import zipfile
+
+    from packaging.version import Version
 
 
 def default_cache() -> Path:
@@ -91,19 +96,83 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
 def wheel_file(wheel: Path, relpath: str) -> tuple[bytes, str | None]:
     """One file of a wheel and the hash the wheel's own RECORD gives it."""
     archive, record = read_wheel(wheel)
-    with archive:
+    with archive, damaged(wheel):
         try:
             return archive.read(relpath), record.get(relpath)
         except KeyError:
             raise PatchDataError(f"{wheel.name} has no {relpath}") from None
 
 
+@contextmanager
+def damaged(wheel: Path) -> Iterator[None]:
+    """A truncated or corrupt wheel (a cut download, a damaged copy), found when it is opened or
+    when a member is read (a bad CRC, a broken deflate stream): one line, never a traceback."""
+    import zipfile
+    import zlib
+
+    try:
+        yield
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise PatchDataError(f"{wheel}: not a readable wheel ({exc or type(exc).__name__}): truncated or damaged",
+                             hint="download it again (`pip download --no-deps` of that release)") from None
+
+
 def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
     import zipfile
 
-    archive = zipfile.ZipFile(wheel)
-    records = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
-    if len(records) != 1:
-        raise PatchDataError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(records)}")
-    rows = csv.reader(io.StringIO(archive.read(records[0]).decode("utf-8")))
-    return archive, {row[0]: parse_record_hash(row[1]) if row[1] else None for row in rows if row}
+    try:
+        mode = os.stat(wheel).st_mode
+    except OSError as exc:
+        raise PatchDataError(f"{wheel}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):  # a FIFO would block the read forever; a wheel is a regular (zip) file
+        raise PatchDataError(f"{wheel} is {KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a wheel file")
+    with damaged(wheel):
+        archive = zipfile.ZipFile(wheel)
+        try:
+            records = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
+            if len(records) != 1:
+                raise PatchDataError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(records)}")
+            rows = csv.reader(io.StringIO(archive.read(records[0]).decode("utf-8", errors="replace")))
+            return archive, {row[0]: parse_record_hash(row[1]) if len(row) > 1 and row[1] else None
+                             for row in rows if row}
+        except BaseException:
+            archive.close()
+            raise
+
+
+def release_of(archive: zipfile.ZipFile, wheel: Path) -> tuple[str, Version]:
+    """The distribution and release a wheel's own METADATA names (Name:, Version:): what its
+    bytes are, whatever its file is called."""
+    from email.parser import HeaderParser
+
+    from packaging.version import InvalidVersion, Version
+
+    dist_info = next(n.split("/")[0] for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
+    with damaged(wheel):
+        try:
+            text = archive.read(f"{dist_info}/METADATA").decode("utf-8", errors="replace")
+        except KeyError:
+            raise PatchDataError(f"{wheel.name} has no {dist_info}/METADATA") from None
+    headers = HeaderParser().parsestr(text, headersonly=True)
+    name, raw = headers.get("Name"), headers.get("Version")
+    if not name or not raw:
+        raise PatchDataError(f"{wheel.name}: {dist_info}/METADATA has no {'Name' if not name else 'Version'}: field")
+    try:
+        return canonicalize_name(name), Version(raw.strip())
+    except InvalidVersion:
+        raise PatchDataError(f"{wheel.name}: {dist_info}/METADATA has Version: {raw.strip()!r}, not a version") from None
+
+
+def check_release(archive: zipfile.ZipFile, wheel: Path) -> tuple[str, Version]:
+    """The wheel's release from its METADATA, refused when its file name says another one (a
+    wheel renamed to a release it is not: a manifest would pin that release to other bytes)."""
+    name, version = release_of(archive, wheel)
+    try:
+        named, named_version, _, _ = parse_wheel_filename(wheel.name)
+    except ValueError:
+        raise PatchDataError(f"{wheel.name}: not a wheel file name (name-version-tags.whl)") from None
+    if (named, named_version) != (name, version):
+        raise PatchDataError(f"{wheel}: its METADATA says {name} {version}, its file name {named} {named_version}: "
+                             "a renamed wheel is not that release",
+                             hint=f"use the wheel of {named} {named_version} itself")
+    return name, version

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sm120patch import jitcache
+from sm120patch.fileops import check_writable
 from sm120patch.hashing import sha256
 from sm120patch.reports import ChangeReport
 from sm120patch.state import Owner, orphans, state_root
@@ -28,26 +29,32 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
         commit = plan.assessment.tree.write(plan, writes)
         if commit is not None:
             next(r for r in report.results if r.plan is plan).commit = commit
-    if not located.installed:
+    if not located.state_dirs:
         return
     try:
         with ExitStack() as locks:
             roots, owners = [], {}
-            for tree in located.installed:
-                root = state_root(tree.dist.site_dir)
+            for site_dir in located.state_dirs:  # the installs' locations (or, none installed, the orphans')
+                root = state_root(site_dir)
                 if root not in roots:
                     roots.append(root)
-                    owners[root] = tree.owner
+                    owners[root] = Owner.of(site_dir)
             # Stale JIT entries first: moved aside before any source changes, so no server
             # can load an entry built from sources that are about to change.
-            changes = []
+            changes, jit_locks = [], []
             for tree in located.installed:
-                changes += _jit_changes(tree, plans, request, report, locks, roots[0])
+                changes += _jit_changes(tree, plans, request, report, jit_locks, roots[0])
             for tree, plan in writes.transaction:
                 changes += install_changes(tree, plan, operation)
             changes += _orphan_changes(located, report)
             if not changes:
                 return
+            # The pre-flight before any lock is taken: taking FlashInfer's lock may create its
+            # lock file (and cached_ops/tmp/) in the JIT cache, and a run refused for
+            # permissions must have changed nothing anywhere. (begin() checks again, under the locks.)
+            check_writable([change.path for change in changes])
+            for lock in jit_locks:
+                locks.enter_context(lock())
             Transaction(operation, roots, owners, changes,
                         revert_command=located.command("revert --force")).run_all()
     except BaseException:
@@ -60,7 +67,7 @@ def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
     """The state of installs that are gone (uninstalled, or another version now), removed in the
     same transaction: a full revert then leaves no .sm120patch/ behind."""
     changes = []
-    for site_dir in dict.fromkeys(t.dist.site_dir for t in located.installed):
+    for site_dir in located.state_dirs:
         for orphan in orphans(site_dir):
             report.orphans_removed.append(orphan)
             changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
@@ -110,8 +117,9 @@ def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Cha
 
 
 def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,
-                 locks: ExitStack, root: Path) -> list[Change]:
-    """Move aside the module's entries of this version (jitcache says which), under its lock."""
+                 locks: list, root: Path) -> list[Change]:
+    """Move aside the module's entries of this version (jitcache says which), under its lock
+    (added to ``locks``, to be taken once the pre-flight has passed)."""
     module = tree.distribution.jit_module
     plan = next((p for p in plans if p.assessment.tree is tree), None)
     if not module or plan is None:
@@ -125,6 +133,7 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
     if not changes:
         return []
     entries = [change.path for change in changes]
-    locks.enter_context(jitcache.module_locks(entries, module, owner=Owner.of(base.path), on_wait=request.on_wait))
+    owner = Owner.of(base.path)
+    locks.append(lambda: jitcache.module_locks(entries, module, owner=owner, on_wait=request.on_wait))
     report.jit_removed += entries
     return changes

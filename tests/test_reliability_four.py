@@ -1,0 +1,228 @@
+"""Reliability, round four (issue 38): a signal while apply prints its report (after its commit
+point), a refused apply that must change nothing in the JIT cache either, `manifest add` given a
+bad wheel, and the state of installs that are all gone. Each test runs sm120patch as a user does
+(a process of its own, or the CLI) and checks the files and the exit code, not only the words."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import FLASHINFER_FILES, need, sm120patch_argv
+from sm120patch.errors import ExitCode
+from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
+
+STRACE = shutil.which("strace")
+SIGNALS = (("INT", 130), ("TERM", 143), ("HUP", 129))
+STD_WRITE = re.compile(r"^write\((?P<fd>[12])<")  # a write to stdout or stderr (strace -y names the fd)
+
+
+def digest(paths) -> str:
+    """One hash of the bytes of ``paths`` (what "patched" means here: the files, not a message)."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def traced(argv: list[str], trace: Path, syscall: str, *inject: str) -> subprocess.CompletedProcess:
+    """``argv`` under strace (this process only, not the target's probe), tracing ``syscall``;
+    ``inject``: strace's -e inject=... expression."""
+    extra = [arg for expression in inject for arg in ("-e", f"inject={expression}")]
+    return subprocess.run([STRACE, "-y", "-o", str(trace), "-e", f"trace={syscall}", *extra, *argv],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+
+
+def calls(trace: Path, syscall: str) -> list[str]:
+    return [line for line in trace.read_text().splitlines() if line.startswith(f"{syscall}(")]
+
+
+# -- 1. a signal while apply prints its report -------------------------------------------------
+
+def toy_argv(toy, command: str) -> list[str]:
+    return [sys.executable, "-m", "sm120patch", command, "--python", str(toy.venv / "bin" / "python"),
+            "--jit-cache-base", str(toy.home)]
+
+
+def test_a_signal_while_apply_prints_its_report_does_not_say_rolled_back(toy, tmp_path):
+    """SIGINT, SIGTERM and SIGHUP in turn at every write of apply's report to stdout or stderr:
+    the patch was committed before the report, so the run exits 0, the files are patched and
+    the report is whole; the signal is said to have come after the commit."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    comm = toy.site / "toyfuse" / "comm.py"
+    pristine = digest([comm])
+    clean = traced(toy_argv(toy, "apply"), tmp_path / "clean.txt", "write")
+    assert clean.returncode == 0, clean.stderr
+    patched, report = digest([comm]), clean.stdout
+    assert patched != pristine and "patched 1 file" in report
+    writes = [n for n, line in enumerate(calls(tmp_path / "clean.txt", "write"), 1) if STD_WRITE.match(line)]
+    assert writes, "the report was not written"
+    for index, n in enumerate(writes):
+        assert subprocess.run(toy_argv(toy, "revert"), capture_output=True).returncode == 0
+        assert digest([comm]) == pristine
+        name, _ = SIGNALS[index % len(SIGNALS)]
+        trace = tmp_path / f"signal-{n}.txt"
+        proc = traced(toy_argv(toy, "apply"), trace, "write", f"write:signal={name}:when={n}")
+        assert STD_WRITE.match(calls(trace, "write")[n - 1]), f"write #{n} is not the report's"
+        where = f"SIG{name} at write #{n}"
+        assert digest([comm]) == patched, f"{where}: not patched"
+        assert proc.returncode == 0, f"{where}: exit {proc.returncode}: {proc.stderr}"
+        assert proc.stdout == report, f"{where}: the report was cut: {proc.stdout!r}"
+        assert "rolled back" not in proc.stderr and "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
+        assert f"SIG{name} arrived after the apply was committed" in proc.stderr, f"{where}: {proc.stderr}"
+
+
+def test_a_signal_while_apply_build_reports_or_builds_keeps_the_patch_and_says_so(serving_env, tmp_path):
+    """apply --build on an environment whose build cannot run (no torch here): a signal at the
+    report's writes, or at the wait for the build's process, never exits 128 + the signal
+    ("rolled back"): the files are patched, the report is printed, and the exit code is the
+    failed build's (1)."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    files = [serving_env.file(relpath) for relpath in FLASHINFER_FILES]
+    pristine = digest(files)
+    argv = sm120patch_argv(serving_env, "apply", "--flashinfer", "--build", "--arch", "12.0a")
+    revert = sm120patch_argv(serving_env, "revert", "--flashinfer")
+    clean = traced(argv, tmp_path / "clean.txt", "write,wait4")
+    assert clean.returncode == ExitCode.NOT_OK, clean.stderr
+    patched = digest(files)
+    assert patched != pristine and "flashinfer-python 0.6.4: patched 6 files" in clean.stdout
+    lines = calls(tmp_path / "clean.txt", "write")
+    report = [n for n, line in enumerate(lines, 1) if STD_WRITE.match(line)]
+    waits = calls(tmp_path / "clean.txt", "wait4")
+    points = [("write", report[0]), ("write", report[-1]), ("wait4", len(waits))]  # the last wait: the build's
+    for (syscall, n), (name, _) in zip(points, SIGNALS):
+        assert subprocess.run(revert, capture_output=True).returncode == 0 and digest(files) == pristine
+        proc = traced(argv, tmp_path / f"{syscall}-{n}.txt", "write,wait4", f"{syscall}:signal={name}:when={n}")
+        where = f"SIG{name} at {syscall} #{n}"
+        assert digest(files) == patched, f"{where}: not patched"
+        assert proc.returncode == ExitCode.NOT_OK, f"{where}: exit {proc.returncode}: {proc.stderr}"
+        assert "flashinfer-python 0.6.4: patched 6 files" in proc.stdout, f"{where}: {proc.stdout}"
+        assert "rolled back" not in proc.stderr and "Traceback" not in proc.stderr, f"{where}: {proc.stderr}"
+        if syscall == "wait4":
+            assert f"the build was interrupted (SIG{name}); the patch stands" in proc.stderr, f"{where}: {proc.stderr}"
+        else:
+            assert f"SIG{name} arrived after the apply was committed" in proc.stderr, f"{where}: {proc.stderr}"
+
+
+# -- 4. a refused apply changes nothing, in the JIT cache either ---------------------------------
+
+def copied_in_entry(env) -> Path:
+    """A trtllm_comm entry without FlashInfer's lock beside it (copied in, restored from a
+    backup): the only case where taking FlashInfer's lock has to create it."""
+    entry = env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    (entry / "trtllm_comm.so").write_bytes(b"\x7fELF")
+    return entry
+
+
+def service_env(shared_dir, flashinfer_wheel):
+    """An environment and a JIT cache base in a directory every user can reach, readable by all."""
+    from helpers import ServingEnv
+
+    system_python = shutil.which("python3", path="/usr/bin")
+    root = shared_dir / "venv"
+    subprocess.run([system_python, "-m", "venv", "--without-pip", str(root)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
+                    "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
+    (shared_dir / "home").mkdir()
+    return ServingEnv(root, shared_dir / "home"), system_python
+
+
+def test_an_apply_refused_for_permissions_creates_nothing_in_the_jit_cache(shared_dir, flashinfer_wheel):
+    """nobody's own JIT cache (where it could create FlashInfer's lock), root's environment: the
+    apply is refused (exit 4), and the JIT cache base is what it was, no cached_ops/tmp/, no lock."""
+    from helpers import run_as_nobody, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    entry = copied_in_entry(env)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.home)], check=True)
+    before = tree_snapshot(env.root, env.home)
+    proc = run_as_nobody(sm120patch_argv(env, "apply", python=system_python), shared_dir)
+    need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    assert "permission denied; nothing was changed" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (entry.parent / "tmp").exists(), sorted(map(str, env.home.rglob("*")))
+    assert tree_snapshot(env.root, env.home) == before
+
+
+def test_root_creating_flashinfers_lock_in_a_service_users_cache_leaves_it_theirs(shared_dir, flashinfer_wheel):
+    """Root applies to nobody's environment, with nobody's JIT cache base, where an entry has no
+    lock yet: cached_ops/tmp/ is created for nobody, who can then still create the lock of any
+    other module there (the server's FlashInfer does, at every build and load)."""
+    from helpers import run_cli
+
+    env, _ = service_env(shared_dir, flashinfer_wheel)
+    entry = copied_in_entry(env)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    result = run_cli("apply", "--python", str(env.python), "--jit-cache-base", str(env.home))
+    assert result.exit_code == 0, result.output
+    tmp = entry.parent / "tmp"
+    assert (tmp.stat().st_uid, tmp.stat().st_gid) == (65534, 65534)
+    assert (tmp / "trtllm_comm.lock").stat().st_uid == 65534
+    other = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "touch",
+                            str(tmp / "norm.lock")], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr
+    assert run_cli("revert", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+
+
+def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, flashinfer_wheel):
+    """nobody's environment whose site-packages is mode 0555: "run sm120patch as nobody" would
+    be no help to nobody; the hint names the mode and the chmod."""
+    from helpers import run_as_nobody, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    env.site_packages.chmod(0o555)
+    before = tree_snapshot(env.root, env.home)
+    proc = run_as_nobody(sm120patch_argv(env, "apply", python=system_python), shared_dir)
+    need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    assert f"cannot write {env.site_packages}: permission denied; nothing was changed" in proc.stderr
+    assert "run sm120patch as nobody" not in proc.stderr, proc.stderr
+    assert "is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
+    assert tree_snapshot(env.root, env.home) == before
+
+
+# -- 3. the state of installs that are all gone --------------------------------------------------
+
+@pytest.mark.parametrize("command", ["revert", "apply", "revert --force"])
+def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patch, serving_env, command):
+    """Every patched distribution uninstalled: status names their state, the command removes
+    exactly it (nothing else in the environment changes), and a second run finds nothing."""
+    import json
+
+    from helpers import snapshot
+
+    assert sm120patch("apply").exit_code == 0
+    names = sorted(p.name for p in serving_env.state_root.iterdir())
+    assert len(names) == 2, names  # flashinfer's and sglang's
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(serving_env.python), "uninstall", "--yes", "--quiet",
+                    "flashinfer-python", "sglang"], check=True)
+    status = sm120patch("status", "--json")
+    orphaned = json.loads(status.output)["orphaned_state"]
+    assert sorted(o["install"] for o in orphaned) == names, status.output
+    files = sorted(f for o in orphaned for f in o["files"])
+    assert files == sorted(str(p) for p in serving_env.state_root.rglob("*") if p.is_file())
+    before = snapshot(serving_env)
+    cleaned = sm120patch(*command.split())
+    assert cleaned.exit_code == 0, cleaned.output
+    for name in names:
+        assert f"removed sm120patch's state of {name}" in cleaned.output, cleaned.output
+    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    after = snapshot(serving_env)
+    root = str(serving_env.state_root)
+    gone = sorted(set(before) - set(after))
+    assert gone == sorted(k for k in before if k == root or k.startswith(root + "/")), gone  # exactly the state
+    assert [k for k in after if before.get(k) != after[k]] == []  # and nothing else changed
+    again = sm120patch(*command.split())
+    assert again.exit_code == ExitCode.USAGE and "none of flashinfer-python, sglang" in again.output, again.output
+    assert json.loads(sm120patch("status", "--json").output)["orphaned_state"] == []
+
