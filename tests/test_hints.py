@@ -4,6 +4,7 @@ install) and checks its effect on the files, not its words."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -202,3 +203,39 @@ def test_the_readme_install_without_pipx_puts_sm120patch_on_path(tmp_path):
     assert "command not found" not in ran.stderr, ran.stderr
     assert f"\nPython {home / 'ml-env' / 'bin' / 'python3'} (" in ran.stdout, (ran.stdout, ran.stderr)
     assert ran.returncode == ExitCode.NOT_OK and "is installed here" in ran.stdout  # nothing in that venv
+
+
+def test_without_python_the_activated_environment_is_the_target_and_the_first_line_says_so(
+        read_only_env, monkeypatch, tmp_path):
+    """A bare `sm120patch status` with a server venv activated reports on that venv (not on
+    sm120patch's own interpreter, which with pipx is never the server's) and says why; with
+    nothing activated and sm120patch's own interpreter holding none of the distributions,
+    python3 on PATH is the target. A venv typed as a bare directory name is found, with the
+    interpreter to pass."""
+    monkeypatch.setenv("VIRTUAL_ENV", str(read_only_env.root))
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    result = run_cli("status", "--jit-cache-base", str(read_only_env.home))
+    first, second = result.output.splitlines()[:2]
+    assert first.startswith(f"Python {read_only_env.root / 'bin'}/python")
+    assert second == "  (no --python given: $VIRTUAL_ENV: the activated environment; --python names your server's interpreter)"
+    assert "sglang 0.5.9" in result.output
+    applied = json.loads(run_cli("apply", "--dry-run", "--json", "--jit-cache-base", str(read_only_env.home)).output)
+    assert applied["target_chosen_by"] == "$VIRTUAL_ENV: the activated environment"
+
+    monkeypatch.delenv("VIRTUAL_ENV")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(read_only_env.python)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    document = json.loads(run_cli("status", "--json", "--jit-cache-base", str(read_only_env.home)).output)
+    assert document["target"] == str(bin_dir / "python3")
+    assert document["target_chosen_by"] == "python3 on PATH (no environment is activated)"
+
+    monkeypatch.chdir(read_only_env.root.parent)
+    named = run_cli("status", "--python", read_only_env.root.name)
+    assert named.exit_code == 2
+    assert f"--python {read_only_env.root.name}: is a directory, not a Python interpreter" in named.output
+    hint = named.output.split("`")[1]  # names the interpreter inside, and works as printed
+    assert hint.startswith(f"sm120patch status --python {read_only_env.root.name}/bin/python")
+    assert run_cli(*shlex.split(hint)[1:], "--jit-cache-base", str(read_only_env.home)).output.startswith(
+        f"Python {read_only_env.root}/bin/python")

@@ -136,7 +136,10 @@ def emit(text: str, *, nl: bool = True) -> None:
 
 def python_option(function):
     return click.option("--python", "python", metavar="PATH", default=None,
-                        help="The interpreter your server runs (a path, or a name on PATH). Default: this one.")(function)
+                        help="The interpreter your server runs (a path, a name on PATH, or its environment's directory). "
+                             "Default: the activated environment ($VIRTUAL_ENV, then $CONDA_PREFIX); else "
+                             "sm120patch's own interpreter if it has FlashInfer, SGLang or vLLM; else python3 on "
+                             "PATH. The first line of the report says which.")(function)
 
 
 def source_option(function):

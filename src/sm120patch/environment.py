@@ -160,6 +160,7 @@ class Environment(NamedTuple):
     distributions: Mapping[str, InstalledDistribution | None] = MappingProxyType({})
     base_prefix: Path | None = None  # sys.base_prefix: a venv's base interpreter
     search_path: tuple[Path, ...] = ()  # the directories on its sys.path: install locations
+    chosen_by: str = ""  # no --python was given: why this is the target, in words
 
     def shares_base(self, dist: InstalledDistribution) -> bool:
         """Whether ``dist`` is installed in the base interpreter's site-packages, which this venv
@@ -206,7 +207,7 @@ def resolve_python(python: str | os.PathLike) -> str:
 
 
 def _resolve(text: str) -> str:
-    if os.sep not in text:
+    if os.sep not in text and not Path(text).expanduser().is_dir():  # `--python envA` names the venv here
         import shutil  # here, not at the top: its import (the archive modules) is 3 ms of `status`
 
         found = shutil.which(text)
@@ -258,6 +259,7 @@ class Probe(NamedTuple):
     executable: str
     process: subprocess.Popen | None = None
     error: TargetError | None = None
+    chosen_by: str = ""  # no --python: why this interpreter is the target (default_target)
 
     def stop(self) -> None:
         """Kill the probe and whatever it started (a wrapper script's children): its own session."""
@@ -308,14 +310,50 @@ class Probe(NamedTuple):
             distributions={name: _from_probe(name, raw, rows(name, raw)) if raw else None
                            for name, raw in data["distributions"].items()},
             search_path=tuple(dict.fromkeys(Path(entry) for entry in data.get("path", ()))),
+            chosen_by=self.chosen_by,
         )
 
 
+def default_target(names) -> tuple[str, str]:
+    """The interpreter a command without --python means, and why, in words for the report's
+    first line. With pipx or ``uv tool`` sm120patch's own interpreter is never the server's, so
+    it is the target only when it has one of ``names`` installed (sm120patch installed into the
+    server's environment) or nothing else is there: the activated environment comes first, then
+    ``python3`` on PATH (the system interpreter that container images install into)."""
+    own = Path(sys.prefix)
+    for variable in ("VIRTUAL_ENV", "CONDA_PREFIX"):
+        root = os.environ.get(variable)
+        if root and Path(root).is_dir():
+            found = _interpreter_in(Path(root))
+            if found is not None:
+                why = "the activated environment" if variable == "VIRTUAL_ENV" else "the activated conda environment"
+                return os.path.abspath(found), f"${variable}: {why}"
+    from importlib import metadata
+
+    for name in names:
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return sys.executable, f"sm120patch's own interpreter, which has {name} installed"
+    import shutil  # here, not at the top: see _resolve
+
+    found = shutil.which("python3")
+    # Not resolved: a venv's python3 is a link to the base interpreter, and the venv is the point.
+    if found is not None and Path(os.path.abspath(found)).parent.parent != own:
+        return os.path.abspath(found), "python3 on PATH (no environment is activated)"
+    return sys.executable, "sm120patch's own interpreter (no environment is activated)"
+
+
 def start_probe(python: str | os.PathLike | None, names) -> Probe:
-    """Start asking ``python`` (default: this interpreter) where the distributions ``names``
-    are installed; companions are always asked about."""
+    """Start asking ``python`` (default: :func:`default_target`) where the distributions
+    ``names`` are installed; companions are always asked about."""
+    chosen_by = ""
     try:
-        executable = resolve_python(python) if python is not None else sys.executable
+        if python is None:
+            executable, chosen_by = default_target(names)
+        else:
+            executable = resolve_python(python)
     except TargetError as exc:
         return Probe(os.fspath(python), error=exc)
     # Normalized: the probe's answer is keyed by the names asked, and sm120patch looks them up so.
@@ -329,7 +367,7 @@ def start_probe(python: str | os.PathLike | None, names) -> Probe:
         )
     except OSError as exc:
         return Probe(executable, error=TargetError(f"--python {executable}: could not run it ({exc.strerror or exc})"))
-    return Probe(executable, process)
+    return Probe(executable, process, chosen_by=chosen_by)
 
 
 def _json_or_none(text: str | None) -> Mapping | None:

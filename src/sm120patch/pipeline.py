@@ -84,6 +84,11 @@ class Located:
         return str(self.env.executable) if self.env else str(self.trees[0].root)
 
     @property
+    def chosen_by(self) -> str:
+        """No --python was given: why this interpreter is the target ("" when it was named)."""
+        return self.env.chosen_by if self.env else ""
+
+    @property
     def options(self) -> tuple[tuple[str, str], ...]:
         """The options that name this target on a command line (and its JIT cache base, when given)."""
         target = ("--python", str(self.env.executable)) if self.env else ("--source", str(self.trees[0].root))
@@ -226,6 +231,7 @@ def status(request: Request, registry: Registry | None = None, *, device=None) -
     trees = _chains(trees, located, aot, device)
     site_dirs = located.state_dirs
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
+                        chosen_by=located.chosen_by,
                         registry_names=registry.names, apply_command=located.command("apply"),
                         orphans=[o for d in site_dirs for o in orphans(d)],
                         temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)])
@@ -310,7 +316,8 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     if not located.trees and (request.dry_run or not located.orphans()):
         raise _nothing_installed(located, registry)
     _selected_ids(located, request.with_ids, registry)
-    report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed)
+    report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed,
+                          chosen_by=located.chosen_by)
     with _hold(located, request):
         if request.dry_run:
             _refuse_pending(located)
@@ -357,7 +364,7 @@ def build(request: Request, registry: Registry | None = None) -> ChangeReport:
     """``sm120patch build``: warm the JIT cache of an environment that is patched already."""
     registry = registry or load_registry(full=False)
     located = locate(request, registry)
-    report = ChangeReport("build", located.target)
+    report = ChangeReport("build", located.target, chosen_by=located.chosen_by)
     for tree in located.installed:
         if not tree.distribution.jit_module:
             continue
@@ -395,7 +402,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
     located = locate(request, registry)
     if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
         raise _nothing_installed(located, registry)
-    report = ChangeReport("revert", located.target, routed=located.routed)
+    report = ChangeReport("revert", located.target, routed=located.routed, chosen_by=located.chosen_by)
     with _hold(located, request):
         report.recovery = recover(located.state_dirs, force=request.force,
                                   revert_command=located.command("revert --force"))

@@ -104,6 +104,8 @@ def chain_json(chain: Chain) -> dict:
 
 def render_status(report: StatusReport) -> str:
     lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
+    if report.chosen_by:
+        lines.append(f"  (no --python given: {report.chosen_by}; --python names your server's interpreter)")
     chains = [item.chain for item in report.trees if item.chain is not None]
     if chains:
         # The answer first: every server's verdict over the whole chain (its steps are below it).
@@ -192,6 +194,7 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
 def status_json(report: StatusReport) -> dict:
     out = {
         "target": report.target,
+        "target_chosen_by": report.chosen_by or None,
         "python_version": report.python_version,
         "exit_code": int(report.exit_code),
         "distributions": [],
@@ -252,6 +255,9 @@ def status_json(report: StatusReport) -> dict:
 def render_change(report: ChangeReport) -> str:
     verb = {"apply": "patched", "revert": "restored", "build": "built"}[report.operation]
     lines = []
+    if report.chosen_by:
+        # Without --python the target was chosen for the user: say which one before what changed in it.
+        lines.append(f"Python {report.target} (no --python given: {report.chosen_by})")
     if report.recovery:
         r = report.recovery
         lines.append(f"finished an interrupted {r.operation} (every change had been made)" if r.finished else
@@ -346,6 +352,7 @@ def change_json(report: ChangeReport) -> dict:
         "operation": report.operation,
         "dry_run": report.dry_run,
         "target": report.target,
+        "target_chosen_by": report.chosen_by or None,
         "changed": report.changed if not report.dry_run else False,
         "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
         "recovered": None if report.recovery is None else {

@@ -65,6 +65,7 @@ class StatusReport(NamedTuple):
     python_version: str | None
     trees: list[TreeStatus]
     aot: list[jitcache.AotShadow]
+    chosen_by: str = ""  # no --python: why this interpreter is the target
     registry_names: tuple[str, ...] = ()
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
     orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
@@ -112,6 +113,7 @@ class ChangeReport:
     operation: str  # apply / revert
     target: str
     dry_run: bool = False
+    chosen_by: str = ""  # no --python: why this interpreter is the target
     results: list[Result] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     recovery: Recovery | None = None
