@@ -150,3 +150,18 @@ def test_the_device_step_judged_with_the_drivers_answers(read_only_env):
     no_peers = chain_for(_devices((12, 0), multicast=False, peers=False))
     assert no_peers.blocking.id == "device" and "no peer access GPU0->GPU1, GPU1->GPU0" in no_peers.blocking.text
     assert snapshot(read_only_env) == before
+
+
+def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
+    """Unpatched, status ends with the apply command; apply ends with the start (the release's
+    flag, and the build that saves the first start its compile), each runnable as printed."""
+    status = sm120patch("status").output.splitlines()
+    assert status[-1] == f"next: `{commands(sm120patch, 'apply')}`"
+    applied = sm120patch("apply")
+    assert applied.exit_code == 0
+    last = applied.output.splitlines()[-1]
+    assert last == (f"next: restart the server with `{FLAG}` (first, `{commands(sm120patch, 'build')}` compiles "
+                    "trtllm_comm so that the start does not); then check-log on its log says whether it fused "
+                    "(`sm120patch check-log --help`)")
+    assert run_cli("check-log", "--help").exit_code == 0
+    assert sm120patch("status").output.splitlines()[-1] == last

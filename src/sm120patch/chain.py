@@ -55,7 +55,7 @@ class Step(NamedTuple):
     id: str  # one of STEPS
     result: StepResult
     text: str  # what holds, in words
-    fix: str = ""  # a command or an option, as it can be copied; "" when there is nothing to do
+    fix: str = ""  # a command, as it can be copied; "" when there is nothing to do (on an ok step: optional)
     condition: str = ""  # an ok that holds only when the server is started so: "--enable-…"
     note: str = ""  # an ok with something to know: the first start compiles, the TP advice
 
@@ -123,6 +123,23 @@ class Chain(NamedTuple):
             sentence += f" without a flag: {self.step('requested').text}"
         jit = self.step("jit")
         return sentence + (f"; {jit.note}" if jit.note else "")
+
+
+def next_step(chains: Sequence[Chain]) -> str | None:
+    """The one thing to do next, from the first server's chain that is not done (None: no server
+    is installed): the fix of what blocks, what reads what is not known, else the start."""
+    for item in chains:
+        step = item.blocking or item.unknown
+        if step is not None:
+            return f"`{step.fix}`" if step.fix else f"{item.server}: {step.text}"
+    if not chains:
+        return None
+    item = chains[0]
+    jit = item.step("jit")
+    start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
+             if item.conditions else "restart the server")
+    return start + (f" (first, `{jit.fix}` compiles trtllm_comm so that the start does not)" if jit.fix else "") \
+        + "; then check-log on its log says whether it fused (`sm120patch check-log --help`)"
 
 
 def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDistribution | None, *,
@@ -286,7 +303,8 @@ def _jit(kernels: Assessment | None, jit: JitStatus | None, aot: Sequence[AotSha
     built = [e for e in jit.entries if any(e.glob("*.so"))]
     if not built:
         return Step("jit", StepResult.OK, f"no {module} built for {kernels.raw_version} in {jit.base.cache_dir}",
-                    note=f"its first start compiles {module} (minutes per rank's first call): `{commands.build}` builds it now")
+                    note=f"its first start compiles {module} (minutes per rank's first call): `{commands.build}` builds it now",
+                    fix=commands.build)  # optional on an ok step: what saves the first start its minutes
     archs = ", ".join(e.parent.parent.name for e in built)
     # FlashInfer names each arch directory after the architectures it built for ("120a", "90a_120a").
     return Step("jit", StepResult.OK, f"{module} built in {jit.base.cache_dir} for {archs}")

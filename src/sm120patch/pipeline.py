@@ -357,6 +357,13 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
             report.build_error = BuildInterrupted(
                 f"the build was interrupted ({signals.name(exc.signum)}); the patch stands",
                 hint=f"`{located.command('build')}` builds it")
+    if located.env is not None:
+        # What to do next comes from the whole chain as it now stands (status's own judgement).
+        try:
+            after = status(request._replace(selectors=MappingProxyType({}), probe=None), registry)
+        except Sm120PatchError:  # the change stands and is reported; only the advice is missing
+            after = None
+        report.chains = [t.chain for t in after.trees if t.chain is not None] if after else []
     return report
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sm120patch.assess import Origin, State, Verdict
-from sm120patch.chain import Chain, StepResult
+from sm120patch.chain import Chain, StepResult, next_step
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
 
@@ -168,6 +168,11 @@ def render_status(report: StatusReport) -> str:
                      "is gone (uninstalled, or another version now)")
     for path in report.temporaries:
         lines.append(f"  ! {path}: a temporary file of a run that was killed")
+    following = next_step(chains) if chains else (None if report.exit_code == ExitCode.OK or not report.trees
+                                                   else f"`{report.apply_command}`")
+    if following:
+        lines.append("")
+        lines.append(f"next: {following}")
     return "\n".join(lines)
 
 
@@ -289,6 +294,9 @@ def render_change(report: ChangeReport) -> str:
             lines.append(f"  note: {built.note}")
         if built.libcuda:
             lines.append(f"  note: {built.libcuda}")
+    following = next_step(report.chains) if report.chains else None
+    if following and not report.dry_run:
+        lines.append(f"next: {following}")
     return "\n".join(lines)
 
 
@@ -353,6 +361,7 @@ def change_json(report: ChangeReport) -> dict:
         "dry_run": report.dry_run,
         "target": report.target,
         "target_chosen_by": report.chosen_by or None,
+        "next": next_step(report.chains) if report.chains and not report.dry_run else None,
         "changed": report.changed if not report.dry_run else False,
         "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
         "recovered": None if report.recovery is None else {

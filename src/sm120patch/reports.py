@@ -125,6 +125,7 @@ class ChangeReport:
     leftovers_removed: list[Path] = field(default_factory=list)
     orphans_removed: list[Orphan] = field(default_factory=list)  # state of installs that are gone
     builds: list = field(default_factory=list)  # jitbuild.BuildResult, apply --build
+    chains: list = field(default_factory=list)  # each server's fusion chain once the run is over (apply)
     build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
 
     @property
