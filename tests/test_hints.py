@@ -239,3 +239,21 @@ def test_without_python_the_activated_environment_is_the_target_and_the_first_li
     assert hint.startswith(f"sm120patch status --python {read_only_env.root.name}/bin/python")
     assert run_cli(*shlex.split(hint)[1:], "--jit-cache-base", str(read_only_env.home)).output.startswith(
         f"Python {read_only_env.root}/bin/python")
+
+
+def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only_env):
+    """`--with auto-enabel` is one error whose hint is the same command with auto-enable, and it
+    runs as printed; `manifest add flashinfer` names flashinfer-python (the selector's word)."""
+    python = str(read_only_env.python)
+    before = snapshot(read_only_env)
+    typo = run_cli("apply", "--python", python, "--with", "auto-enabel", "--dry-run")
+    assert typo.exit_code == 2 and "--with auto-enabel: no such patch" in typo.output
+    assert typo.output.rstrip().endswith("uses auto-enable, the nearest opt-in patch")
+    command = printed(typo.output)
+    assert command == f"sm120patch apply --python {python} --with auto-enable --dry-run"
+    fixed = run_cli(*shlex.split(command)[1:])
+    assert fixed.exit_code == 0 and "+++ b/sglang/srt/server_args.py" in fixed.output
+    assert snapshot(read_only_env) == before
+    wrong = run_cli("manifest", "add", "flashinfer", "0.6.4", "--check")
+    assert wrong.exit_code == 2
+    assert wrong.output.splitlines()[-1] == "hint: did you mean flashinfer-python?"

@@ -292,7 +292,14 @@ def _selected_ids(located: Located, with_ids: Sequence[str], registry: Registry)
                              f"selectors leave out ({', '.join(registry.get(n).selector for n in sets) or 'none'})",
                              fix=[(distribution.selector, None)], hint=f"takes {distribution.name} in")
     offered = "; ".join(f"{name}: {', '.join(sorted(ps.opt_in)) or 'none'}" for name, ps in sets.items())
-    raise UsageError(f"--with {','.join(unknown)}: no such patch (opt-in patches here: {offered or 'none'})")
+    import difflib
+
+    ids = sorted({p.id for ps in sets.values() for p in ps.patches if not p.required})
+    meant = [next(iter(difflib.get_close_matches(i, ids, n=1)), None) for i in unknown]
+    fixed = ([i for i in with_ids if i not in unknown] + meant) if all(meant) else None
+    raise UsageError(f"--with {','.join(unknown)}: no such patch (opt-in patches here: {offered or 'none'})",
+                     fix=[("--with", ",".join(dict.fromkeys(fixed)))] if fixed else (),
+                     hint=f"uses {', '.join(meant)}, the nearest opt-in patch" if fixed else None)
 
 
 def _no_set(a: Assessment) -> RefusedError:

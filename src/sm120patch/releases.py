@@ -314,8 +314,14 @@ def _distribution(registry, name: str, *, option: str = "") -> Distribution:
     try:
         return registry.get(name)
     except KeyError:
-        known = ", ".join(d.name for d in registry.distributions)
-        raise UsageError(f"{option}{name}: not a distribution sm120patch knows ({known})") from None
+        import difflib
+
+        names = [d.name for d in registry.distributions]
+        # The selector's word (`flashinfer` for flashinfer-python) first, then the nearest spelling.
+        near = next((d.name for d in registry.distributions if d.option == name), None) \
+            or next(iter(difflib.get_close_matches(name, names, n=1)), None)
+        raise UsageError(f"{option}{name}: not a distribution sm120patch knows ({', '.join(names)})",
+                         hint=f"did you mean {near}?" if near else None) from None
 
 
 def _wheel_of(wheel: Path, name: str, version: Version) -> bool:
