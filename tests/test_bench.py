@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers import Session
+from helpers import Session, run_cli
 from sm120patch import bench
 from sm120patch.cli import cli
 from sm120patch.errors import CheckFailedError, ExitCode, RefusedError, TargetError, UsageError
@@ -87,6 +87,22 @@ def test_what_the_target_lacks(info, error, message):
     assert message in raised.value.message
 
 
+def test_every_missing_piece_is_named_in_one_message():
+    with pytest.raises(TargetError) as raised:
+        bench.preflight(request(), target(torch=None, torch_error="ModuleNotFoundError: No module named 'torch'",
+                                          flashinfer=None, numpy=False), flashinfer_verdict=None)
+    message = raised.value.message
+    assert message.count(";") == 2 and "torch is not importable" in message
+    assert "flashinfer-python is not installed" in message and "numpy is not importable" in message
+
+
+def test_an_impossible_tp_is_refused_as_it_is_parsed():
+    """Before the target is asked anything (no interpreter is probed for a --python that does not exist)."""
+    result = run_cli("bench", "--tp", "3", "--python", "/nonexistent/python")
+    assert result.exit_code == 2
+    assert "Invalid value for '--tp': 3: FlashInfer's fused allreduce runs at 2, 4, 8 or 16 ranks" in result.output
+
+
 def test_a_world_size_the_kernel_refuses_names_the_sizes_and_a_working_one():
     with pytest.raises(UsageError) as raised:
         bench.preflight(request(), target(devices=(H200,) * 3), flashinfer_verdict="patched")
@@ -114,7 +130,8 @@ def test_unpatched_flashinfer_on_sm120_is_refused_with_the_apply_command():
 def test_a_target_without_torch(read_only_cli):
     result = read_only_cli("bench")
     assert result.exit_code == ExitCode.USAGE
-    one_line(result, "torch is not importable in")
+    one_line(result, "python: torch is not importable (ModuleNotFoundError")
+    assert "; numpy is not importable" in result.output  # the environment lacks both: one message names both
 
 
 def test_a_cpu_only_torch(runtime_env):

@@ -445,6 +445,17 @@ def doctor(python, jit_cache_base, as_json):
     return show(report, as_json, render.render_doctor, render.doctor_json)
 
 
+def _world_size(value):
+    """--tp is refused as it is parsed, before the target is asked anything: FlashInfer's fused
+    allreduce runs at these sizes only."""
+    from sm120patch.bench.preflight import SUPPORTED_WORLD_SIZES
+
+    if value is not None and value not in SUPPORTED_WORLD_SIZES:
+        raise click.BadParameter(f"{value}: FlashInfer's fused allreduce runs at "
+                                 f"{', '.join(map(str, SUPPORTED_WORLD_SIZES[:-1]))} or {SUPPORTED_WORLD_SIZES[-1]} ranks")
+    return value
+
+
 @cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
              epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
                             "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168"],
@@ -456,7 +467,8 @@ def doctor(python, jit_cache_base, as_json):
                                 "would not fuse on GPUs without multicast (run `sm120patch apply`)"),
                             INTERRUPTED]))
 @python_option
-@click.option("--tp", type=int, default=None, metavar="N", help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
+@click.option("--tp", type=int, default=None, metavar="N", callback=lambda ctx, param, value: _world_size(value),
+              help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
 @click.option("--tokens", metavar="LIST", default="1,2,4,8,16,32,64,128,256,512,1024,2048", show_default=True,
               help="Token counts (batch sizes) to check and time.")
 @click.option("--hidden", metavar="LIST", default="4096,7168", show_default=True,

@@ -63,19 +63,25 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
     # With --python given, the environment is the one the user meant: say what it lacks, not
     # to pass the option they passed.
     elsewhere = None if request.given_python else "pass --python with the interpreter your server runs"
+    # Every missing piece in one message: a user installing them one run at a time is four runs.
+    missing = []
     if target.torch is None:
-        raise TargetError(f"torch is not importable in {python} ({target.torch_error}): bench runs in the "
-                          "server's own environment, with its torch and FlashInfer", hint=elsewhere)
+        missing.append(f"torch is not importable ({target.torch_error}): bench runs in the server's own environment, "
+                       "with its torch and FlashInfer")
     if target.flashinfer is None:
-        raise TargetError(f"{request.kernels} is not installed in {python}", hint=elsewhere)
+        missing.append(f"{request.kernels} is not installed")
     if not target.numpy:
-        raise TargetError(f"numpy is not importable in {python} (FlashInfer needs it)")
-    if not target.cuda:
-        raise TargetError(f"no CUDA device is visible to torch {target.torch} in {python}"
-                          + ("" if target.torch and "+cpu" not in target.torch else " (a CPU-only build)"),
-                          hint="run bench on the GPU server, with the CUDA build of torch the server uses")
-    if not target.nccl:
-        raise TargetError(f"torch {target.torch} in {python} has no NCCL backend; bench compares against NCCL")
+        missing.append("numpy is not importable (FlashInfer needs it)")
+    if target.torch is not None and not target.cuda:
+        missing.append(f"no CUDA device is visible to torch {target.torch}"
+                       + ("" if "+cpu" not in target.torch else " (a CPU-only build)"))
+    if target.torch is not None and target.cuda and not target.nccl:
+        missing.append(f"torch {target.torch} has no NCCL backend; bench compares against NCCL")
+    if missing:
+        cuda_only = target.torch is not None and target.flashinfer is not None and target.numpy
+        raise TargetError(f"{python}: " + "; ".join(missing),
+                          hint="run bench on the GPU server, with the CUDA build of torch the server uses"
+                          if cuda_only and not target.cuda else elsewhere)
     visible = len(target.devices)
     if visible < 2:
         raise UsageError(f"bench needs at least 2 GPUs; {python} sees {visible} ({target.devices[0][0]})"
