@@ -175,3 +175,25 @@ def test_list_shows_every_distribution_and_json_agrees():
     assert set(doc) >= {"flashinfer-python", "sglang"}
     assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.4.toml"
     assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem"]
+
+
+def test_dry_runs_say_what_the_jit_cache_and_a_revert_would_lose_and_change_nothing(sm120patch, serving_env):
+    """apply --dry-run names the stale JIT entry the real apply removes; revert --dry-run prints
+    the diff back to the release and downloads nothing; neither changes a byte."""
+    serving_env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    before = snapshot(serving_env)
+    dry = sm120patch("apply", "--dry-run")
+    assert dry.exit_code == 0 and f"  would remove stale entry {entry}" in dry.output
+    document = json.loads(sm120patch("apply", "--dry-run", "--json").output)
+    assert document["jit_cache_would_remove"] == [str(entry)] and document["jit_cache_removed"] == []
+    assert changed(before, snapshot(serving_env)) == []
+
+    assert sm120patch("apply").exit_code == 0
+    patched = snapshot(serving_env)
+    back = sm120patch("revert", "--dry-run")
+    assert back.exit_code == 0, back.output
+    assert "-        supported_major_versions=[9, 10, 12]\n+        supported_major_versions=[9, 10]" in back.output
+    assert changed(patched, snapshot(serving_env)) == []
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == []

@@ -189,6 +189,11 @@ def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, 
     assert "run sm120patch as nobody" not in proc.stderr, proc.stderr
     assert "is mode 0555" in proc.stderr and f"`chmod u+w {env.site_packages}`" in proc.stderr, proc.stderr
     assert tree_snapshot(env.root, env.home) == before
+    # A dry run runs the same pre-flight: it says what the real run would say, not "exit 0".
+    dry = run_as_nobody(sm120patch_argv(env, "apply", "--dry-run", python=system_python), shared_dir)
+    assert dry.returncode == ExitCode.FAILED, dry.stderr
+    assert f"cannot write {env.site_packages}: permission denied" in dry.stderr
+    assert tree_snapshot(env.root, env.home) == before
 
 
 # -- 3. the state of installs that are all gone --------------------------------------------------

@@ -372,14 +372,15 @@ def build(python, arch, jit_cache_base, as_json):
 @jit_option
 @wheel_dir_option
 @json_option
-def revert(python, source, force, jit_cache_base, wheel_dir, as_json, **selectors):
+@click.option("--dry-run", is_flag=True, help="Say what would be restored and removed; change nothing (no download).")
+def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, **selectors):
     """Restore what sm120patch replaced (the release's bytes), each checked against the installed
     RECORD: from the saved original, else from the release wheel. A hand-made patch is reverted
     too. With --source: back to the original branch."""
     from sm120patch import pipeline, render
 
     report = pipeline.revert(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
-                                          wheel_dir=wheel_dir, force=force, **selectors))
+                                          wheel_dir=wheel_dir, force=force, dry_run=dry_run, **selectors))
     return show(report, as_json, render.render_change, render.change_json)
 
 

@@ -316,7 +316,7 @@ def _no_set(a: Assessment) -> RefusedError:
 
 def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     from sm120patch.plan import plan_apply
-    from sm120patch.write import write
+    from sm120patch.write import preview, write
 
     registry = registry or load_registry()
     located = locate(request, registry)
@@ -348,6 +348,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
             report.results.append(_planned(plan))
         report.aot = _aot(located)
         if request.dry_run:
+            preview(report, located, plans, request, operation="apply")
             return report
         write(report, located, plans, request, operation="apply")
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
@@ -410,17 +411,24 @@ def _build(located: Located, request: Request) -> list:
 
 def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
     from sm120patch.plan import plan_revert
-    from sm120patch.write import write
+    from sm120patch.write import preview, write
 
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
         raise _nothing_installed(located, registry)
-    report = ChangeReport("revert", located.target, routed=located.routed, chosen_by=located.chosen_by)
+    if request.dry_run and located.checkouts:
+        raise UsageError("revert --dry-run reads installed environments; in a checkout, sm120patch's change is its "
+                         "commit on its own branch", hint="`git log -1 -p` on that branch shows it")
+    report = ChangeReport("revert", located.target, dry_run=request.dry_run, routed=located.routed,
+                          chosen_by=located.chosen_by)
     with _hold(located, request):
-        report.recovery = recover(located.state_dirs, force=request.force,
-                                  revert_command=located.command("revert --force"))
-        _clean_leftovers(located, request, report)
+        if request.dry_run:
+            _refuse_pending(located)
+        else:
+            report.recovery = recover(located.state_dirs, force=request.force,
+                                      revert_command=located.command("revert --force"))
+            _clean_leftovers(located, request, report)
         plans = []
         for tree in located.trees:
             undo = tree.revert_by_record()
@@ -433,13 +441,16 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                 if a.patch_set is None:
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
-                plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=True)
+                plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=not request.dry_run)
             except RefusedError as exc:
                 report.left.append(Left(tree.distribution.name, tree.raw_version, exc))
                 continue
             plans.append(plan)
             report.results.append(_planned(plan))
         report.aot = _aot(located)
+        if request.dry_run:
+            preview(report, located, plans, request, operation="revert")
+            return report
         write(report, located, plans, request, operation="revert")
     return report
 

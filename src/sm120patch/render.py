@@ -277,11 +277,11 @@ def render_change(report: ChangeReport) -> str:
                      "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
-    if report.jit_base and (report.jit_removed or report.jit_sources_changed) and not report.dry_run:
+    if report.jit_base and (report.jit_removed or report.jit_sources_changed):
         base = report.jit_base
         lines.append(f"JIT cache base: {base.path} ({base.reason})")
         for path in report.jit_removed:
-            lines.append(f"  removed stale entry {path}")
+            lines.append(f"  {'would remove' if report.dry_run else 'removed'} stale entry {path}")
         if not report.jit_removed:
             lines.append("  no trtllm_comm entries to remove (FlashInfer builds one on first use)")
     for shadow in report.aot:
@@ -392,6 +392,7 @@ def change_json(report: ChangeReport) -> dict:
         "left": [{"name": x.name, "version": x.version, "error": x.error.message, "hint": x.error.hint}
                  for x in report.left],
         "jit_cache_removed": [str(p) for p in report.jit_removed] if not report.dry_run else [],
+        "jit_cache_would_remove": [str(p) for p in report.jit_removed] if report.dry_run else [],
         "jit_cache_base": str(report.jit_base.path) if report.jit_base else None,
         "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
         "build_error": report.build_error.message if report.build_error else None,

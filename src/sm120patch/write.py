@@ -63,6 +63,23 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
         raise
 
 
+def preview(report: ChangeReport, located: Located, plans: list[Plan], request: Request, *, operation: str) -> None:
+    """A dry run of :func:`write` for the installs: the same changes (the JIT entries it would
+    move aside land in ``report.jit_removed``) and the same pre-flight, so a dry run refuses
+    what the real run would refuse (exit 4 for want of permission). Nothing is written, no lock
+    is taken, and a checkout gets no branch."""
+    if not located.state_dirs:
+        return
+    root = state_root(located.state_dirs[0])
+    changes = []
+    for tree in located.installed:
+        changes += _jit_changes(tree, plans, request, report, [], root)
+    for plan in plans:
+        if plan.assessment.tree in located.installed:
+            changes += install_changes(plan.assessment.tree, plan, operation)
+    check_writable([change.path for change in changes])
+
+
 def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
     """The state of installs that are gone (uninstalled, or another version now), removed in the
     same transaction: a full revert then leaves no .sm120patch/ behind."""
