@@ -23,7 +23,7 @@ test: install
 	$(BIN)/python -m pytest -n auto
 
 # The tests that need no real wheel, no torch, no download: the pipeline on a synthetic
-# distribution, the CLI, parsers, rewriters (seconds).
+# distribution, the CLI, parsers, rewriters (under a minute, on every core).
 check: install
 	$(BIN)/python -m pytest -m "not wheels" -n auto
 

@@ -18,6 +18,7 @@ import pytest
 from helpers import COMM, COMMUNICATOR, FLASHINFER_FILES, ROOT, SYMM_MEM, changed, run_cli, snapshot, tree_snapshot
 from sm120patch.errors import ExitCode
 from sm120patch.invocation import Invocation
+from sm120patch.words import counted
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
 
@@ -95,7 +96,8 @@ def test_verify_counts_failures_and_checks_that_could_not_run(toy, shell):
     failed = sum(line.startswith("FAIL") for line in result.stdout.splitlines())
     not_run = sum(line.startswith("NOT RUN") for line in result.stdout.splitlines())
     assert failed >= 1
-    counts = [f"{failed} check(s) failed"] + ([f"{not_run} check(s) you asked for could not run"] if not_run else [])
+    counts = [counted(failed, "check") + " failed"] + ([counted(not_run, "check") + " you asked for could not run"]
+                                                       if not_run else [])
     assert result.stdout.splitlines()[-1] == "NOT verified: " + ", ".join(counts)
 
 

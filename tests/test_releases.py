@@ -135,7 +135,7 @@ def test_a_release_whose_site_moved_is_refused_with_the_counts_and_nothing_is_wr
     assert lines[0] == "sglang 0.5.24: no patch set fits; nothing was written"
     assert "  sglang/0.5.22.toml (pinned to 0.5.22 to 0.5.23):" in lines
     assert any("fusion-gate (python.extend-or-condition) in sglang/srt/layers/layer_boundary/residual/add_norm.py: "
-               "expected 1 site(s) of '_is_sm90_supported or _is_sm100_supported' in flashinfer_ar_fusion_applies(), "
+               "expected 1 site of '_is_sm90_supported or _is_sm100_supported' in flashinfer_ar_fusion_applies(), "
                "found 0 to patch and 0 already patched" in line for line in lines), refused.output
     assert any(line.endswith("add_norm.py: changed since sglang 0.5.23, where every rewriter finds its pinned count")
                for line in lines)

@@ -50,7 +50,7 @@ def test_extend_list_argument_appends_inside_the_named_function():
 def test_extend_list_argument_refuses_a_wrong_site_count():
     result = rewrite("python.extend-list-argument", "def gen():\n    f(majors=[9])\n    f(majors=[10])\n", **EXTEND)
     assert isinstance(result, NoMatch)
-    assert "expected 1 site(s)" in result.reason and "found 2" in result.reason
+    assert "expected 1 site" in result.reason and "found 2" in result.reason
 
 
 def test_extend_list_argument_refuses_half_applied_sources():

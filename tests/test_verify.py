@@ -27,7 +27,7 @@ def test_static_verify_fails_pristine_and_passes_patched(sm120patch):
     assert pristine.exit_code == ExitCode.NOT_OK
     found = checks(pristine)
     assert found[("static", "flashinfer-python jit-gate")]["ok"] is False
-    assert found[("semantic", "flashinfer-python pdl-gates")]["detail"].startswith("13 '__CUDA_ARCH__ < 1200' bound(s) left")
+    assert found[("semantic", "flashinfer-python pdl-gates")]["detail"].startswith("13 '__CUDA_ARCH__ < 1200' bounds left")
 
     assert sm120patch("apply").exit_code == 0
     patched = sm120patch("verify")
@@ -59,7 +59,7 @@ def test_compile_check_without_nvcc_says_so(sm120patch, monkeypatch, tmp_path):
     # A check the user asked for that could not run does not pass: it says what to install.
     assert result.exit_code == ExitCode.NOT_OK
     assert "nvcc not found" in result.output and "install the CUDA toolkit" in result.output
-    assert result.output.rstrip().endswith("NOT verified: 1 check(s) you asked for could not run"), result.output
+    assert result.output.rstrip().endswith("NOT verified: 1 check you asked for could not run"), result.output
 
 
 def test_runtime_check_without_torch_fails_and_says_what_to_install(sm120patch, serving_env):

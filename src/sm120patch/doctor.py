@@ -20,6 +20,7 @@ from sm120patch import driver
 from sm120patch.chain import StepResult
 from sm120patch.errors import ExitCode
 from sm120patch.reports import StatusReport
+from sm120patch.words import counted
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # SM120 needs CUDA 12.8 (sm_120a); FlashInfer >= 0.6.7 targets 120f, which needs 12.9.
@@ -163,7 +164,7 @@ def examine_machine(report: DoctorReport) -> None:
             elif topo.pcie_only:
                 report.add("warn", PCIE_WARNING)
             else:
-                report.add("ok", f"NVLink between {len(topo.nvlink_pairs) // 2} GPU pair(s)")
+                report.add("ok", f"NVLink between {counted(len(topo.nvlink_pairs) // 2, 'GPU pair')}")
     examine_driver(report, driver.query())
     nvcc = _run(["nvcc", "--version"])
     version = parse_nvcc_version(nvcc) if nvcc else None

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 
 from sm120patch.errors import CheckFailedError, TargetError, UsageError
 from sm120patch.state import Owner
+from sm120patch.words import counted
 
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 _ARCH = re.compile(r"^\d+\.\d+[af]?$")
@@ -205,7 +206,7 @@ def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, 
                 os.chown(path, owner.uid, owner.gid)
         search = os.pathsep.join(filter(None, [scratch, env.get("LIBRARY_PATH")]))
         events, tail = _run(python, {"spec": spec, "phase": "build"}, dict(env, LIBRARY_PATH=search), run_as, progress)
-    calls = (f"the {len(symbols)} driver function(s) the objects call, soname libcuda.so.1" if symbols else
+    calls = (f"the {counted(len(symbols), 'driver function')} the objects call, soname libcuda.so.1" if symbols else
              "the objects call no driver function: the linker records no libcuda, as with the real driver")
     why = (f"linked against a libcuda stub sm120patch made for this link alone ({calls}; then removed): the link "
            "found no CUDA driver and no toolkit stub here" + (". The module records NEEDED libcuda.so.1: the GPU "

@@ -30,6 +30,7 @@ from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError,
 from sm120patch.patchsets import read_toml
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
+from sm120patch.words import counted
 
 SERVERS = ("sglang", "vllm")
 KINDS = ("version", "config", "tp", "requested", "progress", "ready", "fused", "kernel", "fell-back", "crashed",
@@ -525,7 +526,7 @@ class Analysis:
             for row, _, _ in proc.events:
                 if row.kind == "progress" and self._applies(row):
                     stage = row.stage
-        partial = f"; the workspace on {len(fused)} rank(s) so far" if fused else ""
+        partial = f"; the workspace on {counted(len(fused), 'rank')} so far" if fused else ""
         return LogCheckReport(**base, verdict=STARTING, final=False, ranks=per_rank, expected_ranks=expected,
                               summary=f"still starting ({stage or 'no start-up stage logged yet'}{partial}): "
                                       "no verdict yet", notes=notes)

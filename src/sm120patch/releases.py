@@ -37,6 +37,7 @@ from sm120patch.errors import PatchDataError, RefusedError, Sm120PatchError, Usa
 from sm120patch.hashing import sha256
 from sm120patch.patchsets import PatchSet, parse_patch_set
 from sm120patch.plan import text_diff
+from sm120patch.words import counted
 
 # Where --newer asks which releases exist (PyPI's JSON API; a mirror that serves it can stand in).
 INDEX_URL = os.environ.get("SM120PATCH_INDEX_URL", "https://pypi.org/pypi")
@@ -190,7 +191,7 @@ def _try(patch_set: PatchSet, archive, record: dict) -> tuple[Attempt, dict[str,
                 if isinstance(result, Changed):
                     data = result.data
                 else:
-                    reason = getattr(result, "reason", f"all {edit.sites} site(s) already patched in the release's bytes")
+                    reason = getattr(result, "reason", f"all {counted(edit.sites, 'site')} already patched in the release's bytes")
                     attempt.problems.append(f"{patch.id} ({edit.rewriter}) in {relpath}: {reason}")
         for patch in patch_set.patches_for(relpath):
             before, why_before = semantics.evaluate(patch.check, pristine)

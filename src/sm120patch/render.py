@@ -9,6 +9,7 @@ from sm120patch.assess import Origin, State, Verdict
 from sm120patch.chain import Chain, StepResult, next_step
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
+from sm120patch.words import counted
 
 if TYPE_CHECKING:  # each command's own module is imported by that command
     from sm120patch.bench import BenchReport
@@ -19,10 +20,6 @@ AOT_HINT = (
     "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
     "has no SM120 code: uninstall flashinfer-jit-cache (or remove that file) so the JIT builds it"
 )
-
-
-def _tokens(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 # -- status ----------------------------------------------------------------------------------------
@@ -266,7 +263,7 @@ def render_change(report: ChangeReport) -> str:
     if report.recovery:
         r = report.recovery
         lines.append(f"finished an interrupted {r.operation} (every change had been made)" if r.finished else
-                     f"rolled back an interrupted {r.operation} ({_tokens(len(r.restored), 'change')} undone)"
+                     f"rolled back an interrupted {r.operation} ({counted(len(r.restored), 'change')} undone)"
                      if r.operation != "unknown" else "removed an unreadable journal (--force)")
     for name, path in report.routed:
         lines.append(f"{name} is an editable install of {path}: patching that checkout as a commit instead")
@@ -341,10 +338,10 @@ def _changed_lines(report: ChangeReport, result: Result, verb: str) -> list[str]
         lines += [result.diff(p).rstrip("\n") for p in plan.files]
     if result.commit is not None:
         lines.append(f"{head}: committed {result.commit.sha[:12]} on {result.commit.branch} "
-                     f"({_tokens(len(result.commit.files), 'file')})"
+                     f"({counted(len(result.commit.files), 'file')})"
                      + ("" if not plan.assessment.unpinned else "; unpinned: the files were not the release's bytes"))
         return lines
-    lines.append(f"{head}: {verb} {_tokens(len(plan.files), 'file')}")
+    lines.append(f"{head}: {verb} {counted(len(plan.files), 'file')}")
     for planned in plan.files:
         ids = ", ".join(planned.patches) if planned.patches else (planned.restore_from or "release bytes")
         if planned.relink:
@@ -447,19 +444,22 @@ def render_list(registry, installed: dict | None = None, target: str | None = No
                      + (f"  fixed upstream from {fixed}: {distribution.upstream}" if fixed else "  no upstream release fixes it"))
         if installed is not None:
             lines.append(_installed_line(distribution, installed))
-        for ps in sets:
-            versions = sorted(ps.versions)
-            required = ", ".join(p.id for p in ps.patches if p.required)
-            optional = ", ".join(ps.opt_in) or "none"
-            lines.append(f"  {_ranges(versions):<28} {len(versions):>2} release(s)  {required:<36} opt-in: {optional}")
+        # The columns line up within a distribution: its longest range and its longest list set them.
+        rows = [(_ranges(sorted(ps.versions)), counted(len(ps.versions), "release"),
+                 ", ".join(p.id for p in ps.patches if p.required) or "none", ", ".join(ps.opt_in) or "none")
+                for ps in sets]
+        width = max([28, *(len(r[0]) for r in rows)])
+        listed = max([4, *(len(r[2]) for r in rows)])
+        for span, count, required, optional in rows:
+            lines.append(f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
         for version in distribution.sdist_only:
-            lines.append(f"  {version:<28}  sdist only: not supported (no RECORD to check against)")
+            lines.append(f"  {version:<{width}} sdist only: not supported (no RECORD to check against)")
         for uncovered in distribution.not_covered:
-            lines.append(f"  {_spec_words(uncovered.versions):<28}  not covered: {uncovered.reason}")
+            lines.append(f"  {_spec_words(uncovered.versions):<{width}} not covered: {uncovered.reason}")
         for exempt in distribution.nothing_to_patch:
-            lines.append(f"  {_spec_words(exempt.versions):<28}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
+            lines.append(f"  {_spec_words(exempt.versions):<{width}} nothing to patch: {exempt.reason.replace(' {version}', '')}")
         if fixed:
-            lines.append(f"  {str(fixed) + ' and later':<28}  native SM120 support: nothing to patch")
+            lines.append(f"  {str(fixed) + ' and later':<{width}} native SM120 support: nothing to patch")
     return "\n".join(lines)
 
 
@@ -501,7 +501,7 @@ def render_verify(verified: VerifyReport) -> str:
     code = verified.exit_code
     failed = sum(1 for r in results if r.ok is False)
     not_run = sum(1 for r in results if r.ok is None and r.required)
-    counts = [f"{failed} check(s) failed"] * bool(failed) + [f"{not_run} check(s) you asked for could not run"] * bool(not_run)
+    counts = [f"{counted(failed, 'check')} failed"] * bool(failed) + [f"{counted(not_run, 'check')} you asked for could not run"] * bool(not_run)
     lines.append("verified" if code is ExitCode.OK else "NOT verified" + (f": {', '.join(counts)}" if counts else ""))
     return "\n".join(lines)
 
@@ -623,10 +623,10 @@ def render_bench(report: BenchReport) -> str:
             if win is None:
                 lines.append("  crossover: unfused is faster from the smallest size")
             elif loss is None:
-                lines.append(f"  crossover: none measured; fused is faster up to {_tokens(win.tokens, 'token')} ({_size(win.bytes)})")
+                lines.append(f"  crossover: none measured; fused is faster up to {counted(win.tokens, 'token')} ({_size(win.bytes)})")
             else:
-                lines.append(f"  crossover: fused is faster up to {_tokens(win.tokens, 'token')} ({_size(win.bytes)}), "
-                             f"slower from {_tokens(loss.tokens, 'token')} ({_size(loss.bytes)})")
+                lines.append(f"  crossover: fused is faster up to {counted(win.tokens, 'token')} ({_size(win.bytes)}), "
+                             f"slower from {counted(loss.tokens, 'token')} ({_size(loss.bytes)})")
     graphs = [c.graphs for c in report.cases if c.graphs is not None]
     if graphs:
         lines.append("")
@@ -701,7 +701,7 @@ def render_additions(report) -> str:
 def render_log_check(report) -> str:
     what = report.server or "the server"
     release = f"{what} {report.version} (from {report.version_from})" if report.version else what
-    lines = [f"{report.source}: {release}, {_tokens(report.lines, 'line')} read"]
+    lines = [f"{report.source}: {release}, {counted(report.lines, 'line')} read"]
     if report.ranks:
         expected = f" of {report.expected_ranks}" if report.expected_ranks is not None else ""
         lines.append(f"ranks ({len(report.ranks)}{expected} seen):")

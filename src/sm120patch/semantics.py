@@ -3,6 +3,9 @@ the standard library's ``ast`` for Python and plain counting for CUDA. Each chec
 "is this change present in this file?" with a short reason."""
 
 from __future__ import annotations
+from sm120patch.words import counted
+
+BOUND = "'__CUDA_ARCH__ < 1200' bound"
 
 import ast
 import re
@@ -52,7 +55,7 @@ def jit_gate(text: str) -> tuple[bool, str]:
 def pdl_gates(text: str) -> tuple[bool, str]:
     bounds = len(re.findall(r"__CUDA_ARCH__\s*<\s*1200", text))
     opened = len(re.findall(r"\(__CUDA_ARCH__ >= 900\)\)", text))
-    return bounds == 0 and opened > 0, f"{bounds} '__CUDA_ARCH__ < 1200' bound(s) left, {opened} SM90+ gate(s) open to SM120"
+    return bounds == 0 and opened > 0, f"{counted(bounds, BOUND)} left, {counted(opened, 'SM90+ gate')} open to SM120"
 
 
 @check("lamport-stride")
@@ -71,7 +74,7 @@ def cluster_clamp(text: str) -> tuple[bool, str]:
              + len(re.findall(r"cluster_size > 8\) cluster_size = 8;", text))
              + len(re.findall(r"int cluster_size = std::min\([^;]*details::kClusterMaxSize\);", text)))
     clamped = len(re.findall(r"GetMaxClusterSize\(\s*reinterpret_cast", text))
-    return fixed == 0 and clamped > 0, (f"{fixed} fixed cluster size(s) left, {clamped} launch(es) clamped to the "
+    return fixed == 0 and clamped > 0, (f"{counted(fixed, 'fixed cluster size')} left, {counted(clamped, 'launch', 'launches')} clamped to the "
                                         f"largest cluster the device can launch")
 
 
@@ -173,7 +176,7 @@ def preflight_unicast(text: str) -> tuple[bool, str]:
     if not functions:
         return False, "no _flashinfer_trtllm_workspace_allocation_sizes (the workspace preflight)"
     guarded, unguarded = _guarded(functions[0], ("cuMulticastGetGranularity",), "multicast_supported")
-    return unguarded == 0 and guarded > 0, (f"preflight: cuMulticastGetGranularity asked {unguarded} time(s) on any "
+    return unguarded == 0 and guarded > 0, (f"preflight: cuMulticastGetGranularity asked {counted(unguarded, 'time')} on any "
                                             f"GPU, {guarded} only where the GPU reports multicast")
 
 

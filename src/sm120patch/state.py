@@ -29,6 +29,7 @@ from typing import Mapping, NamedTuple
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
+from sm120patch.words import counted
 
 STATE_DIR_MODE = 0o700
 LEDGER_FORMAT = 2
@@ -219,7 +220,7 @@ class Orphan(NamedTuple):
         originals = sum(1 for f in self.files if "originals" in f.relative_to(self.state.root).parts)
         parts = (["ledger"] if self.state.ledger_path in self.files else []) + (
             [f"{originals} saved original{'s' if originals != 1 else ''}"] if originals else [])
-        return ", ".join(parts) or f"{len(self.files)} file(s)"
+        return ", ".join(parts) or counted(len(self.files), "file")
 
 
 def orphans(site_dir: Path) -> list[Orphan]:

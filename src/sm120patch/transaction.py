@@ -38,6 +38,7 @@ from sm120patch.fileops import aside_path, atomic_write, check_writable, describ
 from sm120patch.hashing import sha256
 from sm120patch.journal import REVERT_FORCE, Journal, journal_at, journal_in, read_journal
 from sm120patch.state import Owner, ensure_dir
+from sm120patch.words import counted
 
 # shutil is imported inside the functions that copy or remove: `status` imports this module
 # (through the pipeline), and shutil's own imports (the archive modules) would cost it 3 ms.
@@ -228,7 +229,7 @@ class Transaction:
                                        f"{failed.message}", hint=failed.hint) from exc
             if isinstance(exc, (OSError, TransactionError)):
                 raise TransactionError(f"{self.operation} failed: {_what(exc)}; rolled back "
-                                       f"{len(restored)} change(s), the environment is as it was") from exc
+                                       f"{counted(len(restored), 'change')}, the environment is as it was") from exc
             raise
         self.commit()
 

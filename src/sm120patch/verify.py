@@ -26,6 +26,7 @@ from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
+from sm120patch.words import counted
 
 PTX_ARCHS = ("120a", "90a", "100a")
 
@@ -161,7 +162,7 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
         installed = {arch: build(arch, data_dir, "installed") for arch in PTX_ARCHS}
         count = ptx.griddepcontrol_count(installed["120a"])
         results.append(CheckResult("compile", "sm_120a lamport kernel PTX", count > 0,
-                                   f"{count} griddepcontrol instruction(s)" + ("" if count else ": the kernel body is compiled out")))
+                                   f"{counted(count, 'griddepcontrol instruction')}" + ("" if count else ": the kernel body is compiled out")))
         if reference is None:
             detail = "installed header is the release's" if header.state is State.PRISTINE else "no saved original to compare with"
             for arch in PTX_ARCHS[1:]:

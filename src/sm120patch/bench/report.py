@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sm120patch.bench.preflight import BenchRequest
 from sm120patch.errors import CheckFailedError, ExitCode
+from sm120patch.words import counted
 
 # SGLang uses the fused path for batches of up to this many tokens (FUSE_ALLREDUCE_MAX_BATCH_SIZE).
 SGLANG_MAX_FUSED_TOKENS = 2048
@@ -113,7 +114,7 @@ class BenchReport:
         if loses_at_start:
             s = loses_at_start[0]
             sglang = (False, f"leave {self.sglang_flag} off: unfused is faster already at "
-                             f"{_tokens(s.cases[0].tokens)}, hidden {s.hidden}")
+                             f"{counted(s.cases[0].tokens, 'token')}, hidden {s.hidden}")
         elif all(s.first_loss is None for s in series) and all(
                 max(c.tokens for c in s.cases) >= min(SGLANG_MAX_FUSED_TOKENS, max(self.request.tokens)) for s in series):
             sglang = (True, f"turn {self.sglang_flag} on: fused is faster at every measured "
@@ -121,7 +122,7 @@ class BenchReport:
         else:
             cut = min((limit for limit in limits if limit), key=lambda c: c.tokens)
             sglang = (None, f"turn {self.sglang_flag} on only if your batches stay at or below "
-                            f"{_tokens(cut.tokens)} (decode, speculative verify): fused wins up to there and loses "
+                            f"{counted(cut.tokens, 'token')} (decode, speculative verify): fused wins up to there and loses "
                             f"beyond, and SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens")
         smallest = min((limit for limit in limits if limit), key=lambda c: c.bytes, default=None)
         if smallest is None or loses_at_start:
@@ -132,13 +133,10 @@ class BenchReport:
             reach = ("the largest size measured; fused may win beyond it" if all(s.first_loss is None for s in series)
                      else "where fused stops winning")
             vllm = (mb, f"-cc.pass_config.fuse_allreduce_rms=true -cc.pass_config.fi_allreduce_fusion_max_size_mb={mb:g}"
-                        f" ({_tokens(smallest.tokens)} at hidden {smallest.hidden}: {reach}; vLLM 0.12+; "
+                        f" ({counted(smallest.tokens, 'token')} at hidden {smallest.hidden}: {reach}; vLLM 0.12+; "
                         f"before: -O.pass_config.enable_fi_allreduce_fusion=true -O.pass_config.fi_allreduce_fusion_max_size_mb={mb:g})")
         return Recommendation(sglang[0], sglang[1], vllm[0], vllm[1])
 
-
-def _tokens(n: int) -> str:
-    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 
@@ -151,7 +149,7 @@ def failure(report: BenchReport) -> CheckFailedError | None:
               f"max error {max(worst.max_err_norm, worst.max_err_residual):.4g}, over the tolerance "
               f"{report.atol:g} + {report.rtol:g}·|ref| by {worst.worst_ratio:.3g}×")
     return CheckFailedError(
-        f"fused allreduce + RMSNorm differs from NCCL + RMSNorm in {len(report.failed)} of {len(report.cases)} "
-        f"case(s); worst: tokens {worst.tokens}, hidden {worst.hidden}, {worst.effective_strategy}: {reason}",
+        f"fused allreduce + RMSNorm differs from NCCL + RMSNorm in {len(report.failed)} of "
+        f"{counted(len(report.cases), 'case')}; worst: tokens {worst.tokens}, hidden {worst.hidden}, {worst.effective_strategy}: {reason}",
         hint="do not turn fusion on; `sm120patch verify --compile` shows whether the lamport kernel body is there",
     )

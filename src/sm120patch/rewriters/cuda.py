@@ -6,6 +6,7 @@ import re
 
 from sm120patch.errors import PatchDataError
 from sm120patch.rewriters.base import AlreadyApplied, Changed, NoMatch, RewriteResult, Rewriter, decode, register
+from sm120patch.words import counted
 
 
 @register
@@ -38,7 +39,7 @@ class RegexReplace(Rewriter):
         new_text, count = pattern.subn(self.args["replacement"], text)
         if count != sites:
             return NoMatch(
-                f"expected {sites} site(s) of /{pattern.pattern}/, found {count}"
+                f"expected {counted(sites, 'site')} of /{pattern.pattern}/, found {count}"
                 + (f" (and {applied_count} already patched)" if applied_count else "")
             )
         after = len(applied.findall(new_text))

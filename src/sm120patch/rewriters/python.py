@@ -10,6 +10,7 @@ import libcst as cst
 
 from sm120patch.errors import PatchDataError
 from sm120patch.rewriters.base import AlreadyApplied, Changed, NoMatch, RewriteResult, Rewriter, decode, register
+from sm120patch.words import counted
 
 _EMPTY = cst.Module(body=[])
 
@@ -109,7 +110,7 @@ class LibcstRewriter(Rewriter):
         if transformer.found == sites and transformer.applied == 0:
             return Changed(new_module.code.encode("utf-8"), sites)
         return NoMatch(
-            f"expected {sites} site(s) of {self.what()}, found {transformer.found} to patch"
+            f"expected {counted(sites, 'site')} of {self.what()}, found {transformer.found} to patch"
             f" and {transformer.applied} already patched"
         )
 
