@@ -295,14 +295,16 @@ class _Terminal:
         return self.tty
 
     def write(self, text):
-        self.text.append(text)
+        self.text.append(text.decode() if isinstance(text, bytes) else text)
 
     def flush(self):
         pass
 
 
 @pytest.mark.parametrize("tty, quiet, drawn", [(True, False, True), (False, False, False), (True, True, False)])
-def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, drawn):
+def test_ninja_steps_become_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, tty, quiet, drawn):
+    """The start is said at once (ninja's first step can take minutes); then a bar on a
+    terminal, one plain line per step elsewhere (systemd, Ansible), nothing with --json."""
     import sys
 
     from sm120patch.progress import BuildProgress
@@ -310,11 +312,17 @@ def test_ninja_steps_become_a_bar_on_a_terminal_only(monkeypatch, tty, quiet, dr
     terminal = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", terminal)
     with BuildProgress(quiet=quiet) as progress:
+        progress("building trtllm_comm with FlashInfer's JIT ...", 0, 0)
         for step in (1, 2, 3, 4):
             progress(f"[{step}/4] nvcc ...", step, 4)
     shown = "".join(terminal.text)
-    assert ("building trtllm_comm" in shown and "4/4" in shown) == drawn
-    assert drawn or shown == ""
+    if quiet:
+        assert shown == ""
+        return
+    assert shown.startswith("sm120patch: building trtllm_comm with FlashInfer's JIT ...\n")
+    assert ("building trtllm_comm" in shown.split("\n", 1)[1] and "4/4" in shown) == drawn  # the bar's own label
+    if not drawn:
+        assert shown.splitlines()[1:] == [f"sm120patch: build step {n}/4: nvcc ..." for n in (1, 2, 3, 4)]
 
 
 # The one test that needs a CUDA GPU: CI has none and skips it, saying why. On the H200:

@@ -130,6 +130,9 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     env = dict(server_env, MAX_JOBS=str(jobs or os.cpu_count() or 1), PYTHONUNBUFFERED="1")
     run_as = _run_as(owner)
     start = time.monotonic()
+    if progress:
+        progress(f"building {module} with FlashInfer's JIT in {python} for "
+                 f"{arch or 'the GPUs FlashInfer sees'} into {base} ({env['MAX_JOBS']} jobs; minutes)", 0, 0)
     events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress)
     libcuda = None
     if "error" in events and events.get("build_dir") and _missing_libraries(tail) == ["cuda"]:

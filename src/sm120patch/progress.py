@@ -1,4 +1,4 @@
-"""Progress on stderr, on a terminal only: never part of a command's output or its --json."""
+"""Progress on stderr (a bar on a terminal, plain lines elsewhere): never part of a command's output or its --json."""
 
 from __future__ import annotations
 
@@ -30,10 +30,22 @@ class _Bar:
 
 
 class BuildProgress(_Bar):
-    """ninja's [n/m] steps as a progress bar with the elapsed time, on a terminal only."""
+    """ninja's [n/m] steps as a progress bar with the elapsed time on a terminal; elsewhere
+    (systemd, Ansible, a pipe) one plain line per step. The build says it has started at once
+    (``step`` 0): ninja's first step can take minutes."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        super().__init__(quiet=quiet)
+        self.quiet = quiet
 
     def __call__(self, line: str, step: int, total: int) -> None:
+        if self.quiet:
+            return
+        if step == 0:
+            click.echo(f"sm120patch: {line}", err=True)
+            return
         if not self.enabled:
+            click.echo(f"sm120patch: build step {step}/{total}: {line.split('] ', 1)[-1][:160]}", err=True)
             return
         if self.bar is None:
             self._open(length=total, label="building trtllm_comm", show_eta=True)
@@ -58,5 +70,10 @@ class BenchProgress(_Bar):
 
 
 def line_progress(*, quiet: bool = False):
-    """Progress lines on stderr, on a terminal only (None: say nothing)."""
-    return (lambda text: click.echo(text, err=True)) if sys.stderr.isatty() and not quiet else None
+    """Progress lines on stderr, a terminal or not (None: say nothing, for --json)."""
+    return None if quiet else (lambda text: click.echo(text, err=True))
+
+
+def say(text: str) -> None:
+    """One line on stderr about work that takes a while (a download), wherever it is called from."""
+    click.echo(f"sm120patch: {text}", err=True)

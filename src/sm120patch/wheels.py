@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -74,6 +75,10 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
     # Into a directory of its own, then renamed into the cache: a second run (or test worker)
     # fetching the same release never sees a half-written wheel, and a killed one leaves none.
     staging = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    from sm120patch.progress import say  # here: the tests' wheel helpers import this module alone
+
+    say(f"downloading the {distribution} {version} wheel from the package index into {cache} (once) ...")
+    started = time.monotonic()
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
@@ -90,6 +95,7 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
     if proc.returncode != 0 or not found:
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise Sm120PatchError(f"could not download {distribution}=={version}: {detail}")
+    say(f"downloaded {found.name} ({found.stat().st_size / 1e6:.1f} MB in {time.monotonic() - started:.0f} s)")
     return found
 
 
