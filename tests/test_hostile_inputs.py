@@ -171,5 +171,7 @@ def test_permission_denied_for_another_users_environment(shared_dir, flashinfer_
     need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == ExitCode.FAILED, proc.stderr
     one_clear_error(proc.stderr, "permission denied; nothing was changed")
-    assert "hint: run sm120patch as root, who owns it" in proc.stderr
+    # The same command through sudo, as it works where sm120patch is not on sudo's PATH (pipx).
+    assert (f'hint: `sudo "$(command -v sm120patch)" apply --python {env.python} --jit-cache-base {env.home}` '
+            "runs it as root\n") in proc.stderr, proc.stderr
     assert changed(before, snapshot(env)) == []

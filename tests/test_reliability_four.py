@@ -95,7 +95,8 @@ def test_a_signal_while_apply_build_reports_or_builds_keeps_the_patch_and_says_s
     patched = digest(files)
     assert patched != pristine and "flashinfer-python 0.6.4: patched 6 files" in clean.stdout
     lines = calls(tmp_path / "clean.txt", "write")
-    report = [n for n, line in enumerate(lines, 1) if STD_WRITE.match(line)]
+    # The report is on stdout (stderr also carries the build's own progress lines, written during it).
+    report = [n for n, line in enumerate(lines, 1) if (m := STD_WRITE.match(line)) and m["fd"] == "1"]
     waits = calls(tmp_path / "clean.txt", "wait4")
     points = [("write", report[0]), ("write", report[-1]), ("wait4", len(waits))]  # the last wait: the build's
     for (syscall, n), (name, _) in zip(points, SIGNALS):

@@ -6,6 +6,7 @@ optional ``hint:`` line that works when copied as printed, and the exit code bel
 from __future__ import annotations
 
 import enum
+import os
 import shlex
 from typing import Sequence
 
@@ -37,18 +38,27 @@ class Sm120PatchError(Exception):
     exit_code: ExitCode = ExitCode.FAILED
 
     def __init__(self, message: str, *, hint: str | None = None,
-                 fix: Sequence[tuple[str, str | None]] = ()) -> None:
+                 fix: Sequence[tuple[str, str | None]] = (), as_root: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         # Options that correct the command (value None: an option alone). The CLI prints the
         # user's own command with them applied, ``hint`` saying what it then does.
         self.fix = tuple(fix)
+        # Another user owns what had to be written: the same command through sudo is a way out
+        # (sm120patch as root keeps the owner's ownership of every file it writes).
+        self.as_root = as_root
         self.invocation = None  # the command that failed, set by the CLI
 
     @property
     def hint_line(self) -> str | None:
         """The hint as printed: the corrected command first, when there is one."""
+        if self.as_root and self.invocation is not None and os.geteuid() != 0:
+            # `sudo sm120patch` fails where sm120patch is not on sudo's PATH (pipx: ~/.local/bin).
+            words = str(self.invocation).split(" ", 1)
+            command = 'sudo "$(command -v sm120patch)"' + (f" {words[1]}" if len(words) > 1 else "")
+            other = self.hint and "as root" not in self.hint  # the owner is another user than root
+            return f"`{command}` runs it as root" + (f"; or {self.hint}" if other else "")
         if not self.fix:
             return self.hint
         if self.invocation is not None:

@@ -110,8 +110,10 @@ def check_writable(paths: Sequence[Path]) -> None:
                 probe = probe.parent
             if os.access(probe, os.W_OK):
                 continue
+            as_root = False
             if os.statvfs(probe).f_flag & os.ST_RDONLY:
                 reason, hint = "read-only file system", "remount it read-write, or patch the image it is built from"
             else:
                 reason, hint = "permission denied", permission_hint(probe)
-            raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint)
+                as_root = probe.stat().st_uid != os.geteuid()
+            raise TransactionError(f"cannot write {probe}: {reason}; nothing was changed", hint=hint, as_root=as_root)

@@ -194,11 +194,13 @@ def _hold(located: Located, request: Request) -> ExitStack:
 
 # -- status ----------------------------------------------------------------------------------------
 
-def status(request: Request, registry: Registry | None = None, *, device=None) -> StatusReport:
+def status(request: Request, registry: Registry | None = None, *, device=None,
+           located: Located | None = None) -> StatusReport:
     """``device``: the driver's answers (``driver.DriverFacts``, doctor reads them first), for the
-    fusion chain's device step; None: status leaves the driver alone."""
+    fusion chain's device step; None: status leaves the driver alone. ``located``: the trees a
+    run already found (apply, judging the chain once its change stands: no second probe)."""
     registry = registry or load_registry(full=False)
-    located = locate(request, registry)
+    located = located or locate(request, registry)
     trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:
@@ -368,7 +370,9 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     if located.env is not None:
         # What to do next comes from the whole chain as it now stands (status's own judgement).
         try:
-            after = status(request._replace(selectors=MappingProxyType({}), probe=None), registry)
+            # The trees this run found (no second probe of the target): with a selector, a chain
+            # whose other distribution was left out says that step is not known, and so does next.
+            after = status(request, registry, located=located)
         except Sm120PatchError:  # the change stands and is reported; only the advice is missing
             after = None
         report.chains = [t.chain for t in after.trees if t.chain is not None] if after else []
