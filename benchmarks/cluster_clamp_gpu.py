@@ -149,8 +149,11 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
+    # CLAMP_DEVICE=cpu runs the script's own logic against a stand-in FlashInfer without a GPU.
+    device = torch.device(os.environ.get("CLAMP_DEVICE", "cuda:0"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     import flashinfer
@@ -184,7 +187,7 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
                         allreduce_out=None, residual_in=residual, residual_out=residual_out, norm_out=norm_out,
                         quant_out=None, scale_out=None, rms_gamma=gamma, rms_eps=EPS, scale_factor=None,
                         layout_code=None)
-                    torch.cuda.synchronize()
+                    sync()
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                     row["error"] = first_line(exc)
                     rows.append(row)
