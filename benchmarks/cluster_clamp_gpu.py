@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,7 +95,7 @@ int main() {
 
 def probe(args) -> int:
     include = Path(args.site) / "flashinfer" / "data" / "include"
-    nvcc = os.environ.get("NVCC", "nvcc")
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     with tempfile.TemporaryDirectory() as tmp:
         source, exe = Path(tmp) / "probe.cu", Path(tmp) / "probe"
         source.write_text(PROBE)
