@@ -189,9 +189,15 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
                         quant_out=None, scale_out=None, rms_gamma=gamma, rms_eps=EPS, scale_factor=None,
                         layout_code=None)
                     sync()
+                    if device.type == "cuda":
+                        # A launch the driver refused (too many resources, say) is left as the
+                        # runtime's last error, not raised: the next torch kernel launch reports it.
+                        torch.empty(1, device=device).fill_(0)
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                     row["error"] = first_line(exc)
                     rows.append(row)
+                    with open(out_dir / f"rank{rank}.rows.jsonl", "a") as partial:
+                        partial.write(json.dumps(row) + "\n")
                     continue
                 total = sum(make_inputs(tokens, hidden, r, "cpu", dtype)[0].float() for r in range(world))
                 ref_residual = total + residual.float().cpu()
@@ -208,6 +214,8 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
                 row.update(worst_ratio=worst, ok=worst <= 1.0,
                            digests={"norm": digest(norm_out), "residual": digest(residual_out)})
                 rows.append(row)
+                with open(out_dir / f"rank{rank}.rows.jsonl", "a") as partial:  # survives a crash or a kill
+                    partial.write(json.dumps(row) + "\n")
     dist.barrier(group=group)
     trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(ipc_handles, group=group)
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"flashinfer": flashinfer.__version__,
@@ -249,7 +257,12 @@ def run(args) -> int:
                 "file": next((r["file"] for r in ranks.values() if r), None),
                 "rows": [row for r in ranks.values() if r for row in r["rows"]]}
     missing = [rank for rank, r in ranks.items() if r is None]
+    for rank in missing:  # what a rank finished before it died or was killed
+        partial = out_dir / f"rank{rank}.rows.jsonl"
+        rows = [json.loads(line) for line in partial.read_text().splitlines()] if partial.exists() else []
+        document["rows"] += [dict(row, partial=True) for row in rows]
     if missing:
+        document["partial_ranks"] = missing
         document["tails"] = {rank: (out_dir / f"rank{rank}.log").read_text()[-1500:] for rank in missing}
     Path(args.out).write_text(json.dumps(document, indent=1))
     errors = sum("error" in row for row in document["rows"])
@@ -286,9 +299,11 @@ def compare(args) -> int:
                 cells.append("raised: " + next(r["error"] for r in rows if "error" in r)[:90])
             else:
                 err = max(max(r["max_err_norm"], r["max_err_residual"]) for r in rows)
-                good = all(r["ok"] for r in rows) and len(rows) == docs[index]["world"]
+                complete = len(rows) == docs[index]["world"]
+                good = all(r["ok"] for r in rows) and complete
                 within[index] += good
-                cells.append(f"{err:.4g}" + ("" if good else " (OVER)"))
+                cells.append(f"{err:.4g}" + ("" if good else " (OVER)" if complete else
+                                             f" ({len(rows)} of {docs[index]['world']} ranks)"))
         for index in range(1, len(docs)):
             a, b = per_doc[0], per_doc[index]
             if not a or not b or any("error" in r for r in a + b):

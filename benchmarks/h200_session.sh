@@ -155,7 +155,7 @@ PY
     wait
     for e in pristine patched clamp1; do echo "== build $e"; grep -v "^ELF file" "$RES/build-$e.txt"; done
     # The cases, most important first, each while time is left.
-    for spec in pristine:2 patched:2 clamp1:2 clamp1:4 clamp1:8 patched:4 pristine:4 patched:8 pristine:8; do
+    for spec in ${CLAMP_SPECS:-pristine:2 patched:2 clamp1:2 clamp1:4 clamp1:8 patched:4 pristine:4 patched:8 pristine:8}; do
         e=${spec%:*}; n=${spec#*:}
         [ -e /tmp/built-$e ] || { echo "skip $e TP$n: not built"; continue; }
         [ -e $RES/$e-tp$n.json ] && continue
