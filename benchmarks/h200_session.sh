@@ -9,6 +9,8 @@
 #   bash benchmarks/h200_session.sh gpu-test  # the test suite's GPU test (pytest -m gpu), with this venv
 #   bash benchmarks/h200_session.sh unicast   # doctor's driver reading; SymmDeviceMemory without multicast, pristine/patched
 #   bash benchmarks/h200_session.sh stub      # a GPU-less apply --build (no libcuda for the link), then its first use here
+#   bash benchmarks/h200_session.sh clamp     # the cluster clamp: the query per kernel; pristine vs patched bit-identical;
+#                                             # a test-only build whose clamp answers 1 against a float32 reference
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -18,7 +20,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
 python3 -m venv /tmp/env
 python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-/tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+[ "${1:-build}" = clamp ] || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
 export PYTHONPATH=$PWD/src:/tmp/sm-deps
 P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
 step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -109,6 +111,68 @@ stub)
     step env CUDA_HOME=/tmp/cudaview FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/libcuda_stub_gpu.py \
         --real "$REAL" | tee "$OUT/libcuda-stub.json"
     step sm120patch revert "${P[@]}"
+    ;;
+clamp)
+    # Three serving environments of flashinfer-python 0.6.4 with their own JIT cache bases: pristine,
+    # patched by sm120patch, and a test-only copy of the patched one whose GetMaxClusterSize answers 1
+    # (what a device without cluster launch gets; this edit is made here only, never by sm120patch).
+    # Several ranks share GPU 0 (gloo + CUDA IPC): correctness only, no timings. Idempotent on a warm
+    # machine: what is built or run already (under /tmp) is kept, so a second call does the rest.
+    T0=$(date +%s)
+    RES=/tmp/clamp-results && mkdir -p $RES
+    nvidia-smi --query-gpu=name,compute_cap,compute_mode,driver_version --format=csv
+    left() { echo $(( ${CLAMP_BUDGET:-560} - ($(date +%s) - T0) )); }
+    [ -e /tmp/clamp-setup-done ] || for e in pristine patched clamp1; do
+        python3 -m venv /tmp/$e
+        python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/$e/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+        /tmp/$e/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl
+    done
+    [ -e /tmp/clamp-setup-done ] || for e in patched clamp1; do
+        python3 -m sm120patch apply --python /tmp/$e/bin/python --jit-cache-base /tmp/ws-$e; done
+    C1=$(/tmp/clamp1/bin/python -c 'import flashinfer, pathlib; print(pathlib.Path(flashinfer.__file__).parent / "data/include/flashinfer/comm")')
+    [ -e /tmp/clamp-setup-done ] || python3 - "$C1" <<'PY'
+import pathlib, sys
+head = "inline int GetMaxClusterSize(const void* kernel, int block_dim) {\n"
+for name in ("trtllm_allreduce.cuh", "trtllm_allreduce_fusion.cuh", "trtllm_moe_allreduce_fusion.cuh"):
+    path = pathlib.Path(sys.argv[1]) / name
+    text = path.read_text()
+    assert text.count(head) == 1, (name, text.count(head))
+    path.write_text(text.replace(head, head + "  if (kernel != nullptr || block_dim > 0) return 1;  // test-only: no cluster launch\n"))
+    print(f"test-only edit: {name}: GetMaxClusterSize answers 1")
+PY
+    touch /tmp/clamp-setup-done
+    step python3 -m sm120patch status --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-patched
+    # The three builds of trtllm_comm for 9.0a at once, and the probe beside them.
+    for e in pristine patched clamp1; do
+        [ -e /tmp/built-$e ] && continue
+        ( FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/ws-$e /tmp/$e/bin/python \
+            benchmarks/trtllm_comm_build_and_load.py > "$RES/build-$e.txt" 2>&1 && touch /tmp/built-$e ) &
+    done
+    SITE=$(/tmp/patched/bin/python -c 'import site; print(site.getsitepackages()[0])')
+    [ -e $RES/probe.json ] || step python3 benchmarks/cluster_clamp_gpu.py probe --site "$SITE" --out $RES/probe.json
+    SITE1=$(/tmp/clamp1/bin/python -c 'import site; print(site.getsitepackages()[0])')
+    [ -e $RES/probe-clamp1.json ] || step python3 benchmarks/cluster_clamp_gpu.py probe --site "$SITE1" --out $RES/probe-clamp1.json
+    wait
+    for e in pristine patched clamp1; do echo "== build $e"; grep -v "^ELF file" "$RES/build-$e.txt"; done
+    # The cases, most important first, each while time is left.
+    for spec in ${CLAMP_SPECS:-pristine:2 patched:2 clamp1:2 clamp1:4 clamp1:8 patched:4 pristine:4 patched:8 pristine:8}; do
+        e=${spec%:*}; n=${spec#*:}
+        [ -e /tmp/built-$e ] || { echo "skip $e TP$n: not built"; continue; }
+        [ -e $RES/$e-tp$n.json ] && continue
+        [ "$(left)" -gt 45 ] || { echo "skip $e TP$n: $(left) s left"; continue; }
+        step env FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/ws-$e timeout $(( $(left) - 10 )) \
+            /tmp/$e/bin/python benchmarks/cluster_clamp_gpu.py run --world $n --label $e \
+            --timeout $(( $(left) - 20 )) --out $RES/$e-tp$n.json
+    done
+    cd $RES
+    for n in 2 4 8; do
+        [ -e pristine-tp$n.json ] && [ -e patched-tp$n.json ] && \
+            step python3 "$OLDPWD/benchmarks/cluster_clamp_gpu.py" compare pristine-tp$n.json patched-tp$n.json
+        [ -e clamp1-tp$n.json ] && step python3 "$OLDPWD/benchmarks/cluster_clamp_gpu.py" compare \
+            $( [ -e patched-tp$n.json ] && echo patched-tp$n.json) clamp1-tp$n.json
+    done
+    cd "$OLDPWD"
+    tar -czf "$OUT/clamp-results.tar.gz" -C $RES .
     ;;
 restart)
     step sm120patch apply "${P[@]}"
