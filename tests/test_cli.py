@@ -197,3 +197,19 @@ def test_dry_runs_say_what_the_jit_cache_and_a_revert_would_lose_and_change_noth
     assert changed(patched, snapshot(serving_env)) == []
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == []
+
+
+def test_quiet_prints_errors_only_and_the_exit_code_says_the_outcome(serving_env):
+    python = str(serving_env.python)
+    base = ("--python", python, "--jit-cache-base", str(serving_env.home))
+    status = run_cli("-q", "status", *base)
+    assert status.exit_code == 1 and status.output == ""
+    applied = run_cli("--quiet", "apply", *base)
+    assert applied.exit_code == 0 and applied.output == ""
+    assert sorted(serving_env.record_mismatches())  # the change was made all the same
+    assert run_cli("-q", "status", *base).exit_code == 0
+    document = json.loads(run_cli("-q", "status", *base, "--json").output)  # --json still prints its document
+    assert document["exit_code"] == 0
+    wrong = run_cli("-q", "apply", "--python", "/nonexistent/python")
+    assert wrong.exit_code == 2
+    one_clear_error(wrong.output, "--python /nonexistent/python: no such file")

@@ -104,6 +104,9 @@ class Group(click.Group):
     def main(self, args=None, prog_name=None, **extra):  # noqa: D102 - click's entry point, one-line errors
         global _emitted
         _emitted = False  # per command: CliRunner runs many in one process
+        from sm120patch import progress
+
+        progress.QUIET = False
         with signals.handled():
             try:
                 code = super().main(args=args, prog_name=prog_name or "sm120patch", standalone_mode=False, **extra)
@@ -241,11 +244,14 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     report and its text, a line for stderr, or None), then each error it carries through
     :func:`handle` (the change it reports stands); the command returns the report's exit code,
     which :class:`Group` exits with."""
+    from sm120patch import progress
+
     rendered = json.dumps(document(report), indent=2) if as_json else text(report)
-    emit(rendered, nl=nl or as_json)
-    said = note(report, rendered) if note is not None else None
-    if said:
-        click.echo(said, err=True)
+    if as_json or not progress.QUIET:
+        emit(rendered, nl=nl or as_json)
+        said = note(report, rendered) if note is not None else None
+        if said:
+            click.echo(said, err=True)
     ctx = click.get_current_context()
     for error in report.errors:
         error.invocation = invocation(ctx)
@@ -261,10 +267,16 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
                             (3, "refused: a file is not the release's bytes, no pinned patch set"),
                             (4, "failed (I/O, permissions, a lock held); everything was rolled back"), INTERRUPTED]))
 @click.version_option(__version__, prog_name="sm120patch")
-def cli() -> None:
+@click.option("-q", "--quiet", is_flag=True,
+              help="Print errors only, no report and no progress (scripts, Ansible): the exit code says the outcome. "
+                   "--json still prints its document.")
+def cli(quiet) -> None:
     """Enable the TRT-LLM fused allreduce (allreduce + residual + RMSNorm) of FlashInfer, SGLang
     and vLLM on SM120 GPUs (RTX PRO 6000 Blackwell, RTX 5090) with exact, version-pinned,
     reversible patches. Each command's --help has examples."""
+    from sm120patch import progress
+
+    progress.QUIET = quiet
 
 
 @cli.command(short_help="Show what is installed and patched, stale JIT entries, AOT shadowing.",

@@ -7,11 +7,15 @@ import sys
 import click
 
 
+QUIET = False  # `sm120patch --quiet`: no progress at all, for scripts and Ansible
+
+
 class _Bar:
     """A click progress bar on stderr, made when the first event needs it, closed on exit; on a
     terminal only (``enabled``)."""
 
     def __init__(self, *, quiet: bool) -> None:
+        quiet = quiet or QUIET
         self.enabled = not quiet and sys.stderr.isatty()
         self.bar = None
         self.done = 0
@@ -36,7 +40,7 @@ class BuildProgress(_Bar):
 
     def __init__(self, *, quiet: bool) -> None:
         super().__init__(quiet=quiet)
-        self.quiet = quiet
+        self.quiet = quiet or QUIET
 
     def __call__(self, line: str, step: int, total: int) -> None:
         if self.quiet:
@@ -71,9 +75,10 @@ class BenchProgress(_Bar):
 
 def line_progress(*, quiet: bool = False):
     """Progress lines on stderr, a terminal or not (None: say nothing, for --json)."""
-    return None if quiet else (lambda text: click.echo(text, err=True))
+    return None if quiet or QUIET else (lambda text: click.echo(text, err=True))
 
 
 def say(text: str) -> None:
     """One line on stderr about work that takes a while (a download), wherever it is called from."""
-    click.echo(f"sm120patch: {text}", err=True)
+    if not QUIET:
+        click.echo(f"sm120patch: {text}", err=True)
