@@ -259,3 +259,13 @@ def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only
     wrong = run_cli("manifest", "add", "flashinfer", "0.6.4", "--check")
     assert wrong.exit_code == 2
     assert wrong.output.splitlines()[-1] == "hint: did you mean flashinfer-python?"
+
+
+@pytest.mark.parametrize("command, changes", [("status", False), ("doctor", False), ("verify", False),
+                                              ("check-log", False), ("apply", True), ("revert", True)])
+def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, changes):
+    """A command that changes nothing does not promise a rollback of a change it never makes."""
+    text = run_cli(command, "--help").output
+    line = next(line for line in text.splitlines() if line.strip().startswith("130"))
+    assert ("the change in progress was rolled back" in line) == changes
+    assert ("nothing of the environment was changed" in line) == (not changes)

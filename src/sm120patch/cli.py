@@ -38,6 +38,8 @@ def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
 
 USAGE = (2, "bad input: an option, --python, a version selector, patch data")
 INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change in progress was rolled back")
+# The commands that change nothing in the environment say so instead.
+INTERRUPTED_READING = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); nothing of the environment was changed")
 
 
 def one_line(text: str) -> str:
@@ -287,7 +289,7 @@ def cli(quiet) -> None:
                             (1, "something is not patched, partly patched, or has no patch set; or none of the "
                                 "distributions sm120patch patches is installed there"), USAGE,
                             (3, "a file is not the release's bytes (drift), or an interrupted run"),
-                            (4, "failed to read the environment's state"), INTERRUPTED]))
+                            (4, "failed to read the environment's state"), INTERRUPTED_READING]))
 @python_option
 @source_option
 @selector_options
@@ -421,7 +423,7 @@ def diff(with_ids, python, source, force, **selectors):
                             "sm120patch verify --python ~/ml-env/bin/python3 --runtime --compile"],
                            [(0, "every check ran and passed"),
                             (1, "a check failed, or a check you asked for could not run (it says what it needs)"),
-                            USAGE, INTERRUPTED]))
+                            USAGE, INTERRUPTED_READING]))
 @python_option
 @click.option("--runtime", is_flag=True, help="FlashInfer's own JIT spec of trtllm_comm for 12.0a, and an import of each "
               "patched module, in the target interpreter (needs torch; a temporary JIT workspace).")
@@ -444,7 +446,7 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
 
 @cli.command(short_help="Check the machine: GPUs, driver, toolkit, topology, the environment.",
              epilog=epilog(["sm120patch doctor --python ~/ml-env/bin/python3", "sm120patch doctor --json"],
-                           [(0, "the report was made (it works without a GPU and says so)"), USAGE, INTERRUPTED]))
+                           [(0, "the report was made (it works without a GPU and says so)"), USAGE, INTERRUPTED_READING]))
 @python_option
 @jit_option
 @json_option
@@ -478,7 +480,7 @@ def _world_size(value):
                             (2, "the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses"),
                             (3, "refused: FlashInfer is not patched for the SM120 GPUs in use, or an installed server "
                                 "would not fuse on GPUs without multicast (run `sm120patch apply`)"),
-                            INTERRUPTED]))
+                            INTERRUPTED_READING]))
 @python_option
 @click.option("--tp", type=int, default=None, metavar="N", callback=lambda ctx, param, value: _world_size(value),
               help="Ranks (GPUs) to run: 2, 4, 8 or 16. Default: every visible GPU.")
@@ -526,7 +528,7 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
                             (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
                             (4, "the log could not be read"),
                             (5, "no verdict yet: still starting (with --follow: the timeout passed first)"),
-                            INTERRUPTED]))
+                            INTERRUPTED_READING]))
 @click.argument("log", metavar="FILE|-")
 @click.option("--server", type=click.Choice(["sglang", "vllm"]), default=None,
               help="Which server wrote it. Default: told by the lines' format.")
