@@ -269,3 +269,13 @@ def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, chang
     line = next(line for line in text.splitlines() if line.strip().startswith("130"))
     assert ("the change in progress was rolled back" in line) == changes
     assert ("nothing of the environment was changed" in line) == (not changes)
+
+
+def test_a_bad_arch_list_gets_the_same_command_with_a_good_one(read_only_env):
+    python = str(read_only_env.python)
+    bad = run_cli("build", "--python", python, "--arch", "12")
+    assert bad.exit_code == 2
+    command = printed(bad.output)
+    assert command == f"sm120patch build --python {python} --arch 12.0a"
+    again = run_cli(*shlex.split(command)[1:], "--jit-cache-base", str(read_only_env.home))
+    assert again.exit_code == 3 and "--arch" not in again.output  # it parses; pristine sources are refused

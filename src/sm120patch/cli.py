@@ -164,14 +164,9 @@ def json_option(function):
 
 
 def arch_option(function):
-    def normalize(ctx, param, value):
-        if value is None:
-            return None
-        from sm120patch.jitbuild import parse_arch
-
-        return parse_arch(value)
-
-    return click.option("--arch", metavar="LIST", default=None, callback=normalize,
+    # Checked in request_from, inside the command: a bad list then gets the user's own command,
+    # corrected, as its hint (in a callback the rest of the command line is not parsed yet).
+    return click.option("--arch", metavar="LIST", default=None,
                         help="Compute capabilities to build for (FLASHINFER_CUDA_ARCH_LIST), e.g. 12.0a; needed "
                         "where no GPU is visible (an image build). Default: the GPUs FlashInfer sees.")(function)
 
@@ -221,6 +216,10 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
     rest of sm120patch is imported and the patch data read (status stays fast)."""
     if python and source:
         raise click.UsageError("--python and --source name two different targets; give one")
+    if arch is not None:
+        from sm120patch.jitbuild import parse_arch
+
+        arch = parse_arch(arch)
     probe = None
     if early_probe and not source:
         from sm120patch import environment

@@ -86,7 +86,8 @@ def parse_arch(text: str) -> str:
     bad = [a for a in archs if not _ARCH.match(a)]
     if not archs or bad:
         raise UsageError(f"--arch {text}: not a list of compute capabilities",
-                         hint="e.g. --arch 12.0a (RTX PRO 6000 Blackwell, RTX 5090), or --arch '9.0a 12.0a'")
+                         fix=[("--arch", "12.0a")],
+                         hint="builds for RTX PRO 6000 Blackwell and RTX 5090 (several: --arch '9.0a 12.0a')")
     return " ".join(archs)
 
 
@@ -151,7 +152,9 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
                               hint="the server's environment needs torch and FlashInfer's dependencies")
         if kind == "arch":
             raise UsageError(f"cannot tell which GPUs to build {module} for: {events['error']}",
-                             hint="pass --arch with the server's compute capability, e.g. --arch 12.0a")
+                             fix=[("--arch", "12.0a")],
+                             hint="builds for SM120 (RTX PRO 6000 Blackwell, RTX 5090); give your servers' "
+                                  "compute capability if it is another")
         detail = "\n".join(tail)
         missing = [name for name in _missing_libraries(tail) if name != "cuda" or libcuda is None]
         if missing:  # every object compiled; the link found no such library where FlashInfer looks
