@@ -175,12 +175,17 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
     if not jit.entries:
         lines.append(f"    no {item.distribution.jit_module} entries for {item.assessment.raw_version} "
                      "(FlashInfer builds one on first use)")
+    module = item.distribution.jit_module
+    incomplete = (f"incomplete (no {module}.so: a build that did not finish); the next start rebuilds it")
     for entry in jit.entries:
-        if entry in jit.stale:
-            mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
-        elif entry in jit.foreign:
+        if entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
-                    "cache share this entry, and a patch or revert in either one invalidates it")
+                    "cache share this entry, and a patch or revert in either one invalidates it"
+                    + (f"; {incomplete}" if entry in jit.incomplete else ""))
+        elif entry in jit.stale:
+            mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
+        elif entry in jit.incomplete:
+            mark = incomplete
         else:
             mark = "current"
         lines.append(f"    {entry}: {mark}")
@@ -228,6 +233,7 @@ def status_json(report: StatusReport) -> dict:
                 "stale": [str(e) for e in item.jit.stale],
                 "foreign": {str(k): str(v) for k, v in item.jit.foreign.items()},
                 "asides": [str(e) for e in item.jit.asides],
+                "incomplete": [str(e) for e in item.jit.incomplete],
             },
         }
         if a.patch_set:
