@@ -226,3 +226,69 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
     assert again.exit_code == ExitCode.USAGE and "none of flashinfer-python, sglang" in again.output, again.output
     assert json.loads(sm120patch("status", "--json").output)["orphaned_state"] == []
 
+
+
+# -- 6. sm120patch itself upgraded or downgraded under a patched environment -----------------------
+
+def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
+    """The data of an sm120patch that does not know ``patch_id`` (of the patch-set file
+    ``relpath``): today's, less that patch, as SM120PATCH_DATA_DIR sees it. That is what an older
+    sm120patch meets in an environment a newer one patched (the issue's case: main three days
+    earlier had no unicast-workspace)."""
+    from helpers import ROOT
+
+    data = tmp_path / f"data-without-{patch_id}"
+    shutil.copytree(ROOT / "patches", data / "patches")
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    toml = data / "patches" / relpath
+    text = toml.read_text()
+    start = text.index(f'[[patch]]\nid = "{patch_id}"')
+    end = text.find("\n[[patch]]\n", start + 1)
+    toml.write_text(text[:start] + (text[end + 1:] if end != -1 else ""))
+    return data
+
+
+def test_revert_restores_every_file_the_ledger_lists_whatever_todays_data_knows(sm120patch, serving_env, tmp_path,
+                                                                                monkeypatch):
+    """Patched with today's data (unicast-workspace on flashinfer/comm/mnnvl.py among the
+    patches), reverted by an sm120patch whose data lacks that patch: the ledger lists the file
+    and holds its original, so revert restores it too. Every file is back to its RECORD bytes
+    and nothing of sm120patch's state is left (before: mnnvl.py stayed patched, and its original
+    went with the ledger)."""
+    from helpers import MNNVL, changed, snapshot
+
+    before = snapshot(serving_env)
+    assert sm120patch("apply").exit_code == 0
+    assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
+                                                               "unicast-workspace")))
+    status = sm120patch("status")
+    assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
+        in status.output, status.output
+    result = sm120patch("revert")
+    assert result.exit_code == 0, result.output
+    assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
+    assert serving_env.record_mismatches() == []
+    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_an_upgrade_that_adds_a_patch_sees_partly_patched_then_adds_it_and_reverts_exactly(sm120patch, serving_env,
+                                                                                          tmp_path, monkeypatch):
+    """The other way round: an environment patched by an sm120patch without unicast-workspace,
+    then today's: status says partly patched, apply adds the patch, revert is exact."""
+    from helpers import MNNVL, changed, snapshot
+
+    before = snapshot(serving_env)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
+                                                               "unicast-workspace")))
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    monkeypatch.delenv("SM120PATCH_DATA_DIR")
+    status = sm120patch("status")
+    assert "flashinfer-python 0.6.4: partly patched" in status.output, status.output
+    applied = sm120patch("apply", "--flashinfer")
+    assert applied.exit_code == 0 and "patched 1 file" in applied.output, applied.output
+    assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
+    assert changed(before, snapshot(serving_env)) == []

@@ -93,6 +93,10 @@ class Assessment(NamedTuple):
     not_covered: bool = False  # a release the distribution's data says sm120patch does not patch
     reason: str = ""  # why there is nothing to patch
     unpinned: bool = False  # no set pins this release: the closest set, by meaning
+    # Files the ledger lists that this sm120patch's patch set does not (patched by a newer
+    # sm120patch whose data has a patch this one's lacks, or for a release this one does not
+    # pin): revert restores them from the ledger all the same, whatever today's data knows.
+    unknown: Mapping[str, FileAssessment] = MappingProxyType({})
 
     @property
     def name(self) -> str:
@@ -155,6 +159,27 @@ class Assessment(NamedTuple):
 def assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None = None, force_unknown: bool = False) -> Assessment:
     """Each patched file's state. A release no patch set pins is assessed with the closest
     set when ``force_unknown`` (apply --force) or when the ledger says a forced apply used one."""
+    result = _assess(tree, distribution, ledger=ledger, force_unknown=force_unknown)
+    return result._replace(unknown=_ledger_only(tree, ledger, result))
+
+
+def _ledger_only(tree: Tree, ledger: Ledger | None, result: Assessment) -> Mapping[str, FileAssessment]:
+    """The files ``ledger`` lists that ``result`` does not judge, each judged by the ledger's own
+    hashes: what sm120patch wrote there (patched) and what it replaced (the release's bytes, as
+    the installed RECORD has them when it lists the file)."""
+    if ledger is None or ledger.version != tree.raw_version:
+        return MappingProxyType({})
+    found = {}
+    for relpath, entry in ledger.files.items():
+        if relpath in result.files:
+            continue
+        expected = FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
+                              patched={"+".join(entry.patches): entry.patched})
+        found[relpath] = assess_file(tree, relpath, expected, None, entry)
+    return MappingProxyType(found)
+
+
+def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, force_unknown: bool) -> Assessment:
     version = tree.version
     patch_set = distribution.find(version)
     result = Assessment(tree=tree, distribution=distribution, patch_set=patch_set, manifest=None, ledger=ledger)
@@ -205,7 +230,8 @@ def _unpinned_manifest(tree: Tree, patch_set: PatchSet, ledger: Ledger | None) -
     return Manifest(distribution=patch_set.distribution, version=tree.raw_version, wheel="", wheel_sha256="", files=files)
 
 
-def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
+def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: PatchSet | None,
+                ledger: LedgerFile | None) -> FileAssessment:
     read = tree.read(relpath)
     if read.problem:
         return FileAssessment(read, State.DRIFTED, None, detail=read.problem)
@@ -229,7 +255,8 @@ def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: Patch
     if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
         return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
     return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
-                          detail=_drift_detail(read.data, patch_set.patches_for(relpath), ledger is not None))
+                          detail=_drift_detail(read.data, patch_set.patches_for(relpath) if patch_set else (),
+                                               ledger is not None))
 
 
 def _drift_detail(data: bytes, patches: Sequence[Patch], edited_after_patching: bool) -> str:

@@ -409,7 +409,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                 continue
             try:
                 a = _assess(tree)
-                if a.patch_set is None:
+                if a.patch_set is None and not a.unknown:  # (a ledger's files are reverted without a set)
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
                 plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=True)

@@ -172,7 +172,10 @@ def plan_revert(assessment: Assessment, *, force: bool = False, wheel_dir: Path 
     ledger = assessment.ledger
     release = partial(assessment.tree.release_bytes, wheel_dir=wheel_dir, download=download)
     planned = []
-    for relpath, fa in assessment.files.items():
+    # The ledger's files too, not only the patch set's: a file a newer sm120patch patched with a
+    # patch this one's data lacks has its original saved all the same, and a revert that left
+    # it patched (and then removed that original with the ledger) would lose the release's bytes.
+    for relpath, fa in {**assessment.files, **assessment.unknown}.items():
         entry = ledger.files.get(relpath) if ledger else None
         if fa.read.problem:
             raise RefusedError(f"refusing to revert {assessment.name}: {fa.path}: {fa.read.problem}",

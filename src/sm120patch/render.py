@@ -55,6 +55,12 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
+    for fa in a.unknown.values():  # the ledger's, unknown to this sm120patch's data (a newer one patched it)
+        if fa.state is State.APPLIED:
+            lines.append(f"  ! {fa.relpath}: patched by an sm120patch whose data has {', '.join(fa.applied)}, which this "
+                         "one's does not: `revert` restores the release's bytes from the saved original")
+        elif fa.detail:
+            lines.append(f"  ! {fa.relpath}: {fa.detail}")
     if a.dropped_by_reinstall:
         lines.append(f"  ! {', '.join(a.dropped_by_reinstall)} had been applied; the files are the release's again "
                      f"(the package was reinstalled): run `{report.apply_command}` again")
