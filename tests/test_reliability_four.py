@@ -292,3 +292,40 @@ def test_an_upgrade_that_adds_a_patch_sees_partly_patched_then_adds_it_and_rever
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
     assert changed(before, snapshot(serving_env)) == []
+
+
+@pytest.mark.parametrize("record", ["ledger", "journal"])
+def test_a_ledger_or_journal_of_a_newer_format_is_refused_naming_the_version_that_reads_it(toy, record):
+    """After a downgrade: an install whose ledger (or whose interrupted run's journal) a newer
+    sm120patch wrote in a format this one cannot honour. status, apply and revert each refuse
+    in one line that names the sm120patch that wrote it (exit 3), and nothing changes; never
+    "unreadable, move it aside" (which would throw the record of what was patched away) or
+    `revert --force`."""
+    import json
+
+    from helpers import one_clear_error
+    from sm120patch.state import InstallState, state_root
+
+    assert subprocess.run(toy_argv(toy, "apply"), capture_output=True).returncode == 0
+    root = state_root(toy.site)
+    ledger = InstallState(root / "toyfuse-1.0.dist-info").ledger_path
+    if record == "ledger":
+        document, path = json.loads(ledger.read_text()), ledger
+    else:
+        document, path = {"operation": "apply", "run": "r1", "roots": [str(root)], "entries": []}, root / "journal.json"
+    document.update(format=99, written_by="sm120patch 7.1.0")
+    path.write_text(json.dumps(document))
+    before = toy.snapshot()
+    for command in ("status", "apply", "revert", "revert --force"):
+        words = command.split()
+        proc = subprocess.run(toy_argv(toy, words[0]) + words[1:], capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == ExitCode.REFUSED, (command, output)
+        text = f"{path} was written by sm120patch 7.1.0 ({record} format 99); this sm120patch 0.1.0 reads format 2"
+        if command == "status":
+            assert text in output, output
+        else:
+            one_clear_error(output, text)
+            assert "hint: install sm120patch 7.1.0 or later (the version that wrote it)" in output, output
+        assert "move it aside" not in output and "unreadable" not in output, output
+        assert toy.snapshot() == before, command
