@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple, Sequence
 from sm120patch.distributions import Distribution
 from sm120patch.errors import ExitCode, PatchDataError
 from sm120patch.hashing import sha256
-from sm120patch.manifests import FileHashes, Manifest, load_manifest
+from sm120patch.manifests import FileHashes, Manifest, load_manifest, split_key
 from sm120patch.patchsets import Patch, PatchSet
 from sm120patch.semantics import evaluate
 from sm120patch.state import Ledger, LedgerFile
@@ -67,6 +67,9 @@ class FileAssessment(NamedTuple):
     origin: Origin | None = None  # who made the bytes what they are (None: the release)
     detail: str = ""
     ledger: LedgerFile | None = None
+    # Of ``applied``, the patches whose bytes are an older form of the patch (an earlier
+    # sm120patch's, ``[[patch.former]]``): applied, and `apply` brings them to today's form.
+    former: tuple[str, ...] = ()
 
     @property
     def relpath(self) -> str:
@@ -108,6 +111,11 @@ class Assessment(NamedTuple):
         if self.patch_set is None:
             return None
         return frozenset(p.id for p in self.patch_set.patches if self.patch_state(p) is State.APPLIED)
+
+    @property
+    def former_ids(self) -> tuple[str, ...]:
+        """The patches applied here in an older form (an earlier sm120patch's): `apply` updates them."""
+        return tuple(i for fa in self.files.values() for i in fa.former)
 
     @property
     def nothing_needed(self) -> bool:
@@ -251,7 +259,8 @@ def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: Patch
             origin = Origin(ledger.origin) if ledger.origin in {o.value for o in Origin} else Origin.SM120PATCH
         else:
             origin = Origin.BY_HAND
-        return FileAssessment(read, State.APPLIED, digest, tuple(combination.split("+")), origin, ledger=ledger)
+        ids, former = split_key(combination)
+        return FileAssessment(read, State.APPLIED, digest, ids, origin, ledger=ledger, former=former)
     if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
         return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
     return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,

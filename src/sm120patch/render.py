@@ -35,7 +35,9 @@ def _patch_word(item: TreeStatus, patch) -> str:
         return item.tree.presence_word(item.by_meaning.get(patch.id, state is State.APPLIED))
     word = state.value
     fa = item.assessment.files.get(patch.file)
-    if state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+    if state is State.APPLIED and fa is not None and patch.id in fa.former:
+        word += " (older form)"
+    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
         word += f" ({fa.origin.value})"
     return word
 
@@ -55,6 +57,9 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
+    for patch_id in a.former_ids:
+        lines.append(f"  ! {patch_id}: applied (older form): `{report.apply_command}` updates it to today's "
+                     f"({a.patch_set.patch(patch_id).summary})")
     for fa in a.unknown.values():  # the ledger's, unknown to this sm120patch's data (a newer one patched it)
         if fa.state is State.APPLIED:
             lines.append(f"  ! {fa.relpath}: patched by an sm120patch whose data has {', '.join(fa.applied)}, which this "
@@ -251,6 +256,7 @@ def status_json(report: StatusReport) -> dict:
                     "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not State.PRISTINE else None,
                     "link": fa.link, "sha256": fa.sha256, "upstream": patch.upstream, "fixed_in": patch.fixed_in,
                     "detail": fa.detail or None,
+                    "older_form": patch.id in fa.former,
                     "in_head": item.by_meaning.get(patch.id) if tree.judged_by_meaning else None,
                 })
         elif item.by_meaning:
