@@ -329,3 +329,68 @@ def test_a_ledger_or_journal_of_a_newer_format_is_refused_naming_the_version_tha
             assert "hint: install sm120patch 7.1.0 or later (the version that wrote it)" in output, output
         assert "move it aside" not in output and "unreadable" not in output, output
         assert toy.snapshot() == before, command
+
+
+def data_before_the_tp2_gate(tmp_path: Path) -> Path:
+    """The data of the sm120patch before SGLang 0.5.8-0.5.14's auto-enable was gated to TP2:
+    today's, with that patch's former form ("ungated") as the patch itself, and the manifests'
+    hashes to match (what that sm120patch's data had, byte for byte: the ungated form's hash is
+    the one its manifests listed)."""
+    import json
+
+    from helpers import ROOT
+
+    data = tmp_path / "data-ungated"
+    shutil.copytree(ROOT / "patches", data / "patches")
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    for name in ("0.5.8", "0.5.11", "0.5.14"):
+        toml = data / "patches" / "sglang" / f"{name}.toml"
+        text = toml.read_text()
+        start = text.index("# The form sm120patch applied before it was gated to TP2")
+        end = text.find("\n[[patch]]\n", start)
+        text = text[:start].rstrip("\n") + "\n" + (text[end:] if end != -1 else "")
+        text = text.replace('add = "(is_sm120_supported() and self.tp_size == 2)" }', 'add = "is_sm120_supported()" }')
+        toml.write_text(text.replace('check = "auto-enable-tp2"', 'check = "auto-enable"'))
+    for manifest in (data / "vendor-manifests" / "sglang").glob("*.json"):
+        document = json.loads(manifest.read_text())
+        for hashes in document["files"].values():
+            if "auto-enable@ungated" in hashes["patched"]:
+                hashes["patched"]["auto-enable"] = hashes["patched"].pop("auto-enable@ungated")
+        manifest.write_text(json.dumps(document))
+    return data
+
+
+@pytest.mark.parametrize("then", ["revert", "apply, then revert"])
+def test_the_older_form_of_auto_enable_is_shown_updated_by_apply_and_reverted_exactly(sm120patch, serving_env, tmp_path,
+                                                                                     monkeypatch, then):
+    """SGLang 0.5.9 with auto-enable applied by the sm120patch before the TP2 gate (its data,
+    from today's former form): status says "applied (older form)" with the apply that updates
+    it; apply brings server_args.py to the TP2 form in one run, and revert from either form
+    gives back the release's bytes: the whole environment hashes as before the first apply."""
+    from helpers import SERVER_ARGS, changed, snapshot
+    from sm120patch.semantics import evaluate
+
+    pristine = snapshot(serving_env)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_before_the_tp2_gate(tmp_path)))
+    assert sm120patch("apply", "--with", "auto-enable").exit_code == 0
+    monkeypatch.delenv("SM120PATCH_DATA_DIR")
+    server_args = serving_env.file(SERVER_ARGS)
+    assert evaluate("auto-enable", server_args.read_bytes())[0] is True
+    assert evaluate("auto-enable-tp2", server_args.read_bytes())[0] is False  # the older form: every TP size
+    status = sm120patch("status")
+    assert re.search(r"auto-enable +applied \(older form\)", status.output), status.output
+    update = f"sm120patch apply --python {serving_env.python} --jit-cache-base {serving_env.home}"
+    assert f"auto-enable: applied (older form): `{update}` updates it" in status.output, status.output
+    if then.startswith("apply"):
+        applied = sm120patch("apply")
+        assert applied.exit_code == 0, applied.output
+        assert "sglang 0.5.9: patched 1 file" in applied.output and SERVER_ARGS in applied.output, applied.output
+        assert "flashinfer-python 0.6.4: nothing to change" in applied.output, applied.output
+        assert evaluate("auto-enable-tp2", server_args.read_bytes())[0] is True
+        again = sm120patch("status")
+        assert "older form" not in again.output and re.search(r"auto-enable +applied ", again.output), again.output
+        assert sm120patch("apply").output.count("nothing to change") == 2  # a second apply changes nothing
+    reverted = sm120patch("revert")
+    assert reverted.exit_code == 0, reverted.output
+    assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
+    assert changed(pristine, snapshot(serving_env)) == []
