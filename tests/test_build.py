@@ -397,16 +397,20 @@ def _running(pid: int) -> bool:
     return text[text.rindex(")") + 2] not in "ZX"
 
 
-@pytest.mark.parametrize("signal_name, whom", [("SIGTERM", "sm120patch"), ("SIGINT", "its process group")])
-def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(build_env, tmp_path, signal_name, whom):
-    """`build` while nvcc runs: SIGTERM to the sm120patch process alone (systemd, Ansible), or
-    SIGINT to its whole process group (Ctrl-C at a terminal). No compiler may outlive
-    sm120patch (none of the stand-in's pids runs when it has exited, and its marker stops
-    changing), the exit code is the signal's, and the entry FlashInfer had started
-    (build.ninja, no trtllm_comm.so) is gone: status finds no entry, where it used to call the
-    partial one "current"."""
+@pytest.mark.parametrize("command, signal_name, whom", [("build", "SIGTERM", "sm120patch"),
+                                                       ("build", "SIGINT", "its process group"),
+                                                       ("verify --build", "SIGTERM", "sm120patch")])
+def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(build_env, tmp_path, command, signal_name,
+                                                                             whom):
+    """`build` (and `verify --build`, in its temporary workspace) while nvcc runs: SIGTERM to
+    the sm120patch process alone (systemd, Ansible), or SIGINT to its whole process group
+    (Ctrl-C at a terminal). No compiler may outlive sm120patch (none of the stand-in's pids runs
+    when it has exited, and its marker stops changing), the exit code is the signal's, and the
+    entry FlashInfer had started (build.ninja, no trtllm_comm.so) is gone: status finds no
+    entry, where it used to call the partial one "current"."""
     import signal
     import subprocess
+    import sys
     import time
 
     from helpers import sm120patch_argv
@@ -416,15 +420,17 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(bui
     cuda, pids, marker = _slow_cuda_home(tmp_path)
     entry = build_env.jit_entry("120a", "trtllm_comm")
     env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{build_env.root / 'bin'}:/usr/bin:/bin")
-    proc = subprocess.Popen(sm120patch_argv(build_env, "build", "--arch", "12.0a"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    argv = (sm120patch_argv(build_env, "build", "--arch", "12.0a") if command == "build" else
+            [sys.executable, "-m", "sm120patch", "verify", "--python", str(build_env.python), "--build"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
             assert time.monotonic() < deadline, "the stand-in compiler never started"
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
-        assert (entry / "build.ninja").exists()  # FlashInfer had started the entry
+        assert (entry / "build.ninja").exists() or command != "build"  # FlashInfer had started the entry
         signum = getattr(signal, signal_name)
         if whom == "sm120patch":
             proc.send_signal(signum)

@@ -206,7 +206,21 @@ print(json.dumps(out))
         if progress:
             progress(f"building trtllm_comm for {arch_list} with FlashInfer's JIT (minutes) ...")
         start = time.monotonic()
-        proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, cwd="/")
+        # A process group of its own, ended whole on a signal (jitbuild.end_group): a killed
+        # interpreter alone would leave FlashInfer's ninja and nvcc running.
+        from sm120patch.jitbuild import end_group
+
+        proc = subprocess.Popen([str(python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd="/", start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate()
+        except BaseException:
+            from sm120patch import signals
+
+            with signals.held():
+                end_group(proc)
+            raise
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         elapsed = time.monotonic() - start
         try:
             out = json.loads(proc.stdout.strip().splitlines()[-1])
