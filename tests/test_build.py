@@ -454,3 +454,26 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(bui
             if _running(pid):  # (before the fix: the stand-ins left running)
                 os.kill(pid, signal.SIGKILL)
         assert session("revert").exit_code == 0
+
+
+def test_only_what_an_unfinished_build_made_is_removed(tmp_path):
+    """The entry of a build that did not finish goes; one that had its library before the build
+    started (the build was only relinking or checking it) is left as it was, and so is one whose
+    library the build had already written."""
+    from sm120patch.jitbuild import _remove_partial
+
+    def entry(name: str, library: bool) -> dict:
+        where = tmp_path / name / "trtllm_comm"
+        where.mkdir(parents=True)
+        (where / "build.ninja").write_text("rule x\n")
+        if library:
+            (where / "trtllm_comm.so").write_bytes(b"\x7fELF")
+        return {"build_dir": str(where), "library": str(where / "trtllm_comm.so")}
+
+    partial = entry("partial", library=False)
+    assert _remove_partial(dict(partial, had_library=False)) and not Path(partial["build_dir"]).exists()
+    kept = entry("had-its-library", library=True)
+    assert not _remove_partial(dict(kept, had_library=True)) and Path(kept["library"]).exists()
+    finished = entry("linked", library=True)
+    assert not _remove_partial(dict(finished, had_library=False)) and Path(finished["library"]).exists()
+    assert not _remove_partial({})  # interrupted before FlashInfer named its entry: nothing of it to remove

@@ -6,8 +6,9 @@ The build is FlashInfer's: its JIT spec, its ``build.ninja``, its build lock, it
 (``<base>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>``), its architecture choice
 (``FLASHINFER_CUDA_ARCH_LIST`` when given, else the GPUs it sees). sm120patch adds the
 parallelism (``MAX_JOBS``), the progress, the proof (a fresh process regenerates the same
-``build.ninja``, ninja finds nothing to do, the library loads) and the cleanup of an entry a
-failed build leaves half-written.
+``build.ninja``, ninja finds nothing to do, the library loads), the cleanup of an entry a
+failed or interrupted build leaves half-written, and the end of the whole build (its process
+group, ninja and nvcc included) when a signal interrupts it.
 """
 
 from __future__ import annotations
