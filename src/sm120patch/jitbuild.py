@@ -140,7 +140,10 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
             events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress,
                                                     Path(events["build_dir"]), owner, events)
     except BaseException:  # a signal (the build's processes are gone by now), or a stub that cannot be made
-        _remove_partial(events)
+        from sm120patch import signals
+
+        with signals.held():  # a second Ctrl-C must not leave the removal half done
+            _remove_partial(events)
         raise
     elapsed = time.monotonic() - start
     where = events.get("build_dir")
