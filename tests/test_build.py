@@ -368,3 +368,120 @@ def test_the_link_errors_name_each_missing_library():
     assert _missing_libraries(both) == ["cuda", "cudart"]
     assert _missing_libraries(both[1:]) == ["cuda"]
     assert _missing_libraries(["ninja: build stopped: subcommand failed."]) == []
+
+
+# -- an interrupted build (issue 38, item 2) ---------------------------------------------------
+
+# A stand-in for nvcc in a CUDA home of its own: `--version` answers as CUDA 12.8 does (FlashInfer
+# asks it while it writes build.ninja); a compile writes its pid, then keeps touching a marker
+# file and never finishes, as a compile of minutes looks from outside. FlashInfer, its
+# build.ninja and the real ninja (the environment's own) run it as they run nvcc.
+_SLOW_NVCC = """#!/bin/sh
+case "$*" in *--version*)
+  echo "nvcc: NVIDIA (R) Cuda compiler driver"
+  echo "Cuda compilation tools, release 12.8, V12.8.93"; exit 0;;
+esac
+echo $$ >> {pids}
+while :; do touch {marker}; sleep 0.1; done
+"""
+
+
+def _slow_cuda_home(tmp_path: Path) -> tuple[Path, Path, Path]:
+    home, pids, marker = tmp_path / "slow-cuda", tmp_path / "nvcc.pids", tmp_path / "nvcc.alive"
+    (home / "bin").mkdir(parents=True)
+    (home / "lib64").mkdir()
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(_SLOW_NVCC.format(pids=pids, marker=marker))
+    nvcc.chmod(0o755)
+    return home, pids, marker
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has stopped: only its parent's wait is left)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] not in "ZX"
+
+
+@pytest.mark.parametrize("command, signal_name, whom", [("build", "SIGTERM", "sm120patch"),
+                                                       ("build", "SIGINT", "its process group"),
+                                                       ("verify --build", "SIGTERM", "sm120patch")])
+def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(build_env, tmp_path, command, signal_name,
+                                                                             whom):
+    """`build` (and `verify --build`, in its temporary workspace) while nvcc runs: SIGTERM to
+    the sm120patch process alone (systemd, Ansible), or SIGINT to its whole process group
+    (Ctrl-C at a terminal). No compiler may outlive sm120patch (none of the stand-in's pids runs
+    when it has exited, and its marker stops changing), the exit code is the signal's, and the
+    entry FlashInfer had started (build.ninja, no trtllm_comm.so) is gone: status finds no
+    entry, where it used to call the partial one "current"."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import sm120patch_argv
+
+    session = Session(build_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    entry = build_env.jit_entry("120a", "trtllm_comm")
+    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{build_env.root / 'bin'}:/usr/bin:/bin")
+    argv = (sm120patch_argv(build_env, "build", "--arch", "12.0a") if command == "build" else
+            [sys.executable, "-m", "sm120patch", "verify", "--python", str(build_env.python), "--build"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the stand-in compiler never started"
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        assert (entry / "build.ninja").exists() or command != "build"  # FlashInfer had started the entry
+        signum = getattr(signal, signal_name)
+        if whom == "sm120patch":
+            proc.send_signal(signum)
+        else:
+            os.killpg(proc.pid, signum)
+        out, err = proc.communicate(timeout=60)
+        compilers = [int(p) for p in pids.read_text().split()]
+        alive = [p for p in compilers if _running(p)]
+        seen = marker.stat().st_mtime_ns
+        time.sleep(0.5)
+        assert not alive and marker.stat().st_mtime_ns == seen, f"the compiler outlived sm120patch: {alive}"
+        assert proc.returncode == 128 + signum, (proc.returncode, err)
+        assert "Traceback" not in err and err.count("sm120patch: error:") + err.count("sm120patch: interrupted") == 1, err
+        assert not entry.exists(), sorted(p.name for p in entry.iterdir())
+        status = session("status")
+        assert "current" not in status.output and "no trtllm_comm entries" in status.output, status.output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in (int(p) for p in (pids.read_text().split() if pids.exists() else [])):
+            if _running(pid):  # (before the fix: the stand-ins left running)
+                os.kill(pid, signal.SIGKILL)
+        assert session("revert").exit_code == 0
+
+
+def test_only_what_an_unfinished_build_made_is_removed(tmp_path):
+    """The entry of a build that did not finish goes; one that had its library before the build
+    started (the build was only relinking or checking it) is left as it was, and so is one whose
+    library the build had already written."""
+    from sm120patch.jitbuild import _remove_partial
+
+    def entry(name: str, library: bool) -> dict:
+        where = tmp_path / name / "trtllm_comm"
+        where.mkdir(parents=True)
+        (where / "build.ninja").write_text("rule x\n")
+        if library:
+            (where / "trtllm_comm.so").write_bytes(b"\x7fELF")
+        return {"build_dir": str(where), "library": str(where / "trtllm_comm.so")}
+
+    partial = entry("partial", library=False)
+    assert _remove_partial(dict(partial, had_library=False)) and not Path(partial["build_dir"]).exists()
+    kept = entry("had-its-library", library=True)
+    assert not _remove_partial(dict(kept, had_library=True)) and Path(kept["library"]).exists()
+    finished = entry("linked", library=True)
+    assert not _remove_partial(dict(finished, had_library=False)) and Path(finished["library"]).exists()
+    assert not _remove_partial({})  # interrupted before FlashInfer named its entry: nothing of it to remove

@@ -79,8 +79,8 @@ def test_auto_enable_applied_fuses_without_a_flag(sm120patch):
     fusion = fusion_of(sm120patch)
     assert fusion["verdict"] == "will fuse" and fusion["conditions"] == []
     assert fusion["headline"].startswith(
-        f"sglang {SGLANG_VERSION} will fuse on SM120 without a flag: auto-enable applied, on by default on one node, "
-        f"for the models SGLang auto-enables fusion for, at every TP size; otherwise with {FLAG};")
+        f"sglang {SGLANG_VERSION} will fuse on SM120 without a flag: auto-enable applied, on by default on one node at "
+        f"TP2, for the models SGLang auto-enables fusion for (TP4 and TP8 still need the flag); otherwise with {FLAG};")
 
 
 def test_a_built_entry_drops_the_first_start_note_and_a_stale_one_blocks_until_apply_removes_it(sm120patch):

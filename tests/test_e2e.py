@@ -155,7 +155,7 @@ def test_opt_in_patches_need_with(sm120patch, serving_env):
     result = sm120patch("apply", "--sglang", "0.5.9", "--with", "auto-enable")
     assert result.exit_code == 0, result.output
     assert "sglang 0.5.9: patched 1 file\n" in result.output  # communicator.py untouched
-    assert "or is_sm120_supported())" in serving_env.file(SERVER_ARGS).read_text()
+    assert "or (is_sm120_supported() and self.tp_size == 2))" in serving_env.file(SERVER_ARGS).read_text()  # TP2 only
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == []
 

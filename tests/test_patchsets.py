@@ -103,6 +103,44 @@ def test_malformed_patch_sets_are_clear_errors(tmp_path, text, message):
         parse_patch_set(write(tmp_path, text), "flashinfer-python")
 
 
+
+FORMER = """
+[[patch.former]]
+form = "{form}"
+summary = "s"
+check = "jit-gate"
+
+[[patch.former.edit]]
+rewriter = "python.extend-list-argument"
+sites = 1
+params = {{ function = "f", keyword = "k", value = "{value}" }}
+"""
+
+
+def test_an_older_form_is_kept_with_its_patch(tmp_path):
+    """[[patch.former]]: the edits a patch had in an earlier sm120patch, kept in the data so that
+    an environment patched with them is recognised (the manifest keys it <id>@<form>)."""
+    patch_set = parse_patch_set(write(tmp_path, VALID.format(file="a.py") + FORMER.format(form="old", value="11")),
+                                "flashinfer-python")
+    patch = patch_set.patch("jit-gate")
+    assert [f.form for f in patch.formers] == ["old"]
+    assert patch.former("old").edits[0].params["value"] == "11" and patch.former("old").formers == ()
+
+
+@pytest.mark.parametrize("former, message", [
+    (FORMER.format(form="Old+1", value="11"), "form 'Old\\+1' must be a unique name"),
+    (FORMER.format(form="old", value="11") + FORMER.format(form="old", value="10"), "form 'old' must be a unique name"),
+    (FORMER.format(form="old", value="12"), "former old has today's edits: it is not an older form"),
+    (FORMER.format(form="old", value="11").replace('check = "jit-gate"', 'check = "nope"'), "no semantic check named 'nope'"),
+    (FORMER.format(form="old", value="11").replace('summary = "s"\n', 'summary = "s"\nsince = "0.1"\n'),
+     "unknown key\\(s\\) since"),
+    (FORMER.format(form="old", value="11").split("[[patch.former.edit]]")[0], "missing 'edit'"),
+])
+def test_malformed_older_forms_are_clear_errors(tmp_path, former, message):
+    with pytest.raises(PatchDataError, match=message):
+        parse_patch_set(write(tmp_path, VALID.format(file="a.py") + former), "flashinfer-python")
+
+
 DISTRIBUTION = """\
 name = "flashinfer-python"
 option = "flashinfer"

@@ -232,3 +232,171 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
     assert again.exit_code == ExitCode.USAGE and "none of flashinfer-python, sglang" in again.output, again.output
     assert json.loads(sm120patch("status", "--json").output)["orphaned_state"] == []
 
+
+
+# -- 6. sm120patch itself upgraded or downgraded under a patched environment -----------------------
+
+def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
+    """The data of an sm120patch that does not know ``patch_id`` (of the patch-set file
+    ``relpath``): today's, less that patch, as SM120PATCH_DATA_DIR sees it. That is what an older
+    sm120patch meets in an environment a newer one patched (the issue's case: main three days
+    earlier had no unicast-workspace)."""
+    from helpers import ROOT
+
+    data = tmp_path / f"data-without-{patch_id}"
+    shutil.copytree(ROOT / "patches", data / "patches")
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    toml = data / "patches" / relpath
+    text = toml.read_text()
+    start = text.index(f'[[patch]]\nid = "{patch_id}"')
+    end = text.find("\n[[patch]]\n", start + 1)
+    toml.write_text(text[:start] + (text[end + 1:] if end != -1 else ""))
+    return data
+
+
+def test_revert_restores_every_file_the_ledger_lists_whatever_todays_data_knows(sm120patch, serving_env, tmp_path,
+                                                                                monkeypatch):
+    """Patched with today's data (unicast-workspace on flashinfer/comm/mnnvl.py among the
+    patches), reverted by an sm120patch whose data lacks that patch: the ledger lists the file
+    and holds its original, so revert restores it too. Every file is back to its RECORD bytes
+    and nothing of sm120patch's state is left (before: mnnvl.py stayed patched, and its original
+    went with the ledger)."""
+    from helpers import MNNVL, changed, snapshot
+
+    before = snapshot(serving_env)
+    assert sm120patch("apply").exit_code == 0
+    assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
+                                                               "unicast-workspace")))
+    status = sm120patch("status")
+    assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
+        in status.output, status.output
+    result = sm120patch("revert")
+    assert result.exit_code == 0, result.output
+    assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
+    assert serving_env.record_mismatches() == []
+    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_an_upgrade_that_adds_a_patch_sees_partly_patched_then_adds_it_and_reverts_exactly(sm120patch, serving_env,
+                                                                                          tmp_path, monkeypatch):
+    """The other way round: an environment patched by an sm120patch without unicast-workspace,
+    then today's: status says partly patched, apply adds the patch, revert is exact."""
+    from helpers import MNNVL, changed, snapshot
+
+    before = snapshot(serving_env)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
+                                                               "unicast-workspace")))
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    monkeypatch.delenv("SM120PATCH_DATA_DIR")
+    status = sm120patch("status")
+    assert "flashinfer-python 0.6.4: partly patched" in status.output, status.output
+    applied = sm120patch("apply", "--flashinfer")
+    assert applied.exit_code == 0 and "patched 1 file" in applied.output, applied.output
+    assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
+    assert changed(before, snapshot(serving_env)) == []
+
+
+@pytest.mark.parametrize("record", ["ledger", "journal"])
+def test_a_ledger_or_journal_of_a_newer_format_is_refused_naming_the_version_that_reads_it(toy, record):
+    """After a downgrade: an install whose ledger (or whose interrupted run's journal) a newer
+    sm120patch wrote in a format this one cannot honour. status, apply and revert each refuse
+    in one line that names the sm120patch that wrote it (exit 3), and nothing changes; never
+    "unreadable, move it aside" (which would throw the record of what was patched away) or
+    `revert --force`."""
+    import json
+
+    from helpers import one_clear_error
+    from sm120patch.state import InstallState, state_root
+
+    assert subprocess.run(toy_argv(toy, "apply"), capture_output=True).returncode == 0
+    root = state_root(toy.site)
+    ledger = InstallState(root / "toyfuse-1.0.dist-info").ledger_path
+    if record == "ledger":
+        document, path = json.loads(ledger.read_text()), ledger
+    else:
+        document, path = {"operation": "apply", "run": "r1", "roots": [str(root)], "entries": []}, root / "journal.json"
+    document.update(format=99, written_by="sm120patch 7.1.0")
+    path.write_text(json.dumps(document))
+    before = toy.snapshot()
+    for command in ("status", "apply", "revert", "revert --force"):
+        words = command.split()
+        proc = subprocess.run(toy_argv(toy, words[0]) + words[1:], capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == ExitCode.REFUSED, (command, output)
+        text = f"{path} was written by sm120patch 7.1.0 ({record} format 99); this sm120patch 0.1.0 reads format 2"
+        if command == "status":
+            assert text in output, output
+        else:
+            one_clear_error(output, text)
+            assert "hint: install sm120patch 7.1.0 or later (the version that wrote it)" in output, output
+        assert "move it aside" not in output and "unreadable" not in output, output
+        assert toy.snapshot() == before, command
+
+
+def data_before_the_tp2_gate(tmp_path: Path) -> Path:
+    """The data of the sm120patch before SGLang 0.5.8-0.5.14's auto-enable was gated to TP2:
+    today's, with that patch's former form ("ungated") as the patch itself, and the manifests'
+    hashes to match (what that sm120patch's data had, byte for byte: the ungated form's hash is
+    the one its manifests listed)."""
+    import json
+
+    from helpers import ROOT
+
+    data = tmp_path / "data-ungated"
+    shutil.copytree(ROOT / "patches", data / "patches")
+    shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    for name in ("0.5.8", "0.5.11", "0.5.14"):
+        toml = data / "patches" / "sglang" / f"{name}.toml"
+        text = toml.read_text()
+        start = text.index("# The form sm120patch applied before it was gated to TP2")
+        end = text.find("\n[[patch]]\n", start)
+        text = text[:start].rstrip("\n") + "\n" + (text[end:] if end != -1 else "")
+        text = text.replace('add = "(is_sm120_supported() and self.tp_size == 2)" }', 'add = "is_sm120_supported()" }')
+        toml.write_text(text.replace('check = "auto-enable-tp2"', 'check = "auto-enable"'))
+    for manifest in (data / "vendor-manifests" / "sglang").glob("*.json"):
+        document = json.loads(manifest.read_text())
+        for hashes in document["files"].values():
+            if "auto-enable@ungated" in hashes["patched"]:
+                hashes["patched"]["auto-enable"] = hashes["patched"].pop("auto-enable@ungated")
+        manifest.write_text(json.dumps(document))
+    return data
+
+
+@pytest.mark.parametrize("then", ["revert", "apply, then revert"])
+def test_the_older_form_of_auto_enable_is_shown_updated_by_apply_and_reverted_exactly(sm120patch, serving_env, tmp_path,
+                                                                                     monkeypatch, then):
+    """SGLang 0.5.9 with auto-enable applied by the sm120patch before the TP2 gate (its data,
+    from today's former form): status says "applied (older form)" with the apply that updates
+    it; apply brings server_args.py to the TP2 form in one run, and revert from either form
+    gives back the release's bytes: the whole environment hashes as before the first apply."""
+    from helpers import SERVER_ARGS, changed, snapshot
+    from sm120patch.semantics import evaluate
+
+    pristine = snapshot(serving_env)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_before_the_tp2_gate(tmp_path)))
+    assert sm120patch("apply", "--with", "auto-enable").exit_code == 0
+    monkeypatch.delenv("SM120PATCH_DATA_DIR")
+    server_args = serving_env.file(SERVER_ARGS)
+    assert evaluate("auto-enable", server_args.read_bytes())[0] is True
+    assert evaluate("auto-enable-tp2", server_args.read_bytes())[0] is False  # the older form: every TP size
+    status = sm120patch("status")
+    assert re.search(r"auto-enable +applied \(older form\)", status.output), status.output
+    update = f"sm120patch apply --python {serving_env.python} --jit-cache-base {serving_env.home}"
+    assert f"auto-enable: applied (older form): `{update}` updates it" in status.output, status.output
+    if then.startswith("apply"):
+        applied = sm120patch("apply")
+        assert applied.exit_code == 0, applied.output
+        assert "sglang 0.5.9: patched 1 file" in applied.output and SERVER_ARGS in applied.output, applied.output
+        assert "flashinfer-python 0.6.4: nothing to change" in applied.output, applied.output
+        assert evaluate("auto-enable-tp2", server_args.read_bytes())[0] is True
+        again = sm120patch("status")
+        assert "older form" not in again.output and re.search(r"auto-enable +applied ", again.output), again.output
+        assert sm120patch("apply").output.count("nothing to change") == 2  # a second apply changes nothing
+    reverted = sm120patch("revert")
+    assert reverted.exit_code == 0, reverted.output
+    assert serving_env.record_mismatches() == [] and not serving_env.state_root.exists()
+    assert changed(pristine, snapshot(serving_env)) == []

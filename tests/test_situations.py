@@ -268,6 +268,45 @@ def test_an_entry_built_from_another_environments_sources_is_reported(sm120patch
     assert f"built from another environment's sources ({other})" in status.output
 
 
+
+def test_an_entry_a_build_did_not_finish_is_incomplete_never_current(sm120patch, serving_env):
+    """What an interrupted build used to leave (issue 38): build.ninja and .d files, no
+    trtllm_comm.so. status calls it incomplete, never "current", and the fusion chain's jit step
+    does not count it as built."""
+    import json
+
+    assert sm120patch("apply").exit_code == 0
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    source = serving_env.file("flashinfer/data/csrc/trtllm_allreduce.cu")
+    (entry / "build.ninja").write_text(f"build trtllm_allreduce.cuda.o: cuda_compile {source}\n")
+    (entry / "trtllm_allreduce.cuda.o.d").write_text("trtllm_allreduce.cuda.o: x\n")
+    status = sm120patch("status")
+    assert f"{entry}: incomplete (no trtllm_comm.so: a build that did not finish); the next start rebuilds it" \
+        in status.output, status.output
+    assert f"{entry}: current" not in status.output
+    assert f"trtllm_comm in {entry} is incomplete" in status.output and "trtllm_comm built in" not in status.output
+    jit = next(d for d in json.loads(sm120patch("status", "--json").output)["distributions"]
+               if d["name"] == "flashinfer-python")["jit_cache"]
+    assert jit["incomplete"] == [str(entry)] and jit["stale"] == []
+
+
+def test_another_environments_entry_is_foreign_not_stale_however_old(sm120patch, serving_env, tmp_path):
+    """Two environments sharing one cache base: an entry the other one's build left (here without
+    its library, as an interrupted build leaves it), older than this environment's sources (this
+    one was installed or patched later). It was built from the other's files, and status says so,
+    as the README promises, not STALE."""
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    other = tmp_path / "other-env/lib/python3.11/site-packages/flashinfer/data/csrc/trtllm_allreduce.cu"
+    (entry / "build.ninja").write_text(f"build trtllm_allreduce.cuda.o: cuda_compile {other}\n")
+    os.utime(entry / "build.ninja", (1_000_000, 1_000_000))
+    status = sm120patch("status")
+    line = next(line for line in status.output.splitlines() if line.strip().startswith(str(entry)))
+    assert f"built from another environment's sources ({other})" in line and "STALE" not in line, line
+    assert "incomplete (no trtllm_comm.so" in line, line
+
+
 # -- the user who fixed it by hand first ------------------------------------------------------------
 
 def test_a_hand_edit_equal_to_the_patch_is_told_apart_adopted_and_reverted(sm120patch, serving_env, tmp_path):

@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple, Sequence
 from sm120patch.distributions import Distribution
 from sm120patch.errors import ExitCode, PatchDataError
 from sm120patch.hashing import sha256
-from sm120patch.manifests import FileHashes, Manifest, load_manifest
+from sm120patch.manifests import FileHashes, Manifest, load_manifest, split_key
 from sm120patch.patchsets import Patch, PatchSet
 from sm120patch.semantics import evaluate
 from sm120patch.state import Ledger, LedgerFile
@@ -67,6 +67,9 @@ class FileAssessment(NamedTuple):
     origin: Origin | None = None  # who made the bytes what they are (None: the release)
     detail: str = ""
     ledger: LedgerFile | None = None
+    # Of ``applied``, the patches whose bytes are an older form of the patch (an earlier
+    # sm120patch's, ``[[patch.former]]``): applied, and `apply` brings them to today's form.
+    former: tuple[str, ...] = ()
 
     @property
     def relpath(self) -> str:
@@ -93,6 +96,10 @@ class Assessment(NamedTuple):
     not_covered: bool = False  # a release the distribution's data says sm120patch does not patch
     reason: str = ""  # why there is nothing to patch
     unpinned: bool = False  # no set pins this release: the closest set, by meaning
+    # Files the ledger lists that this sm120patch's patch set does not (patched by a newer
+    # sm120patch whose data has a patch this one's lacks, or for a release this one does not
+    # pin): revert restores them from the ledger all the same, whatever today's data knows.
+    unknown: Mapping[str, FileAssessment] = MappingProxyType({})
 
     @property
     def name(self) -> str:
@@ -104,6 +111,11 @@ class Assessment(NamedTuple):
         if self.patch_set is None:
             return None
         return frozenset(p.id for p in self.patch_set.patches if self.patch_state(p) is State.APPLIED)
+
+    @property
+    def former_ids(self) -> tuple[str, ...]:
+        """The patches applied here in an older form (an earlier sm120patch's): `apply` updates them."""
+        return tuple(i for fa in self.files.values() for i in fa.former)
 
     @property
     def nothing_needed(self) -> bool:
@@ -155,6 +167,27 @@ class Assessment(NamedTuple):
 def assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None = None, force_unknown: bool = False) -> Assessment:
     """Each patched file's state. A release no patch set pins is assessed with the closest
     set when ``force_unknown`` (apply --force) or when the ledger says a forced apply used one."""
+    result = _assess(tree, distribution, ledger=ledger, force_unknown=force_unknown)
+    return result._replace(unknown=_ledger_only(tree, ledger, result))
+
+
+def _ledger_only(tree: Tree, ledger: Ledger | None, result: Assessment) -> Mapping[str, FileAssessment]:
+    """The files ``ledger`` lists that ``result`` does not judge, each judged by the ledger's own
+    hashes: what sm120patch wrote there (patched) and what it replaced (the release's bytes, as
+    the installed RECORD has them when it lists the file)."""
+    if ledger is None or ledger.version != tree.raw_version:
+        return MappingProxyType({})
+    found = {}
+    for relpath, entry in ledger.files.items():
+        if relpath in result.files:
+            continue
+        expected = FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
+                              patched={"+".join(entry.patches): entry.patched})
+        found[relpath] = assess_file(tree, relpath, expected, None, entry)
+    return MappingProxyType(found)
+
+
+def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, force_unknown: bool) -> Assessment:
     version = tree.version
     patch_set = distribution.find(version)
     result = Assessment(tree=tree, distribution=distribution, patch_set=patch_set, manifest=None, ledger=ledger)
@@ -205,7 +238,8 @@ def _unpinned_manifest(tree: Tree, patch_set: PatchSet, ledger: Ledger | None) -
     return Manifest(distribution=patch_set.distribution, version=tree.raw_version, wheel="", wheel_sha256="", files=files)
 
 
-def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: PatchSet, ledger: LedgerFile | None) -> FileAssessment:
+def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: PatchSet | None,
+                ledger: LedgerFile | None) -> FileAssessment:
     read = tree.read(relpath)
     if read.problem:
         return FileAssessment(read, State.DRIFTED, None, detail=read.problem)
@@ -225,11 +259,13 @@ def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: Patch
             origin = Origin(ledger.origin) if ledger.origin in {o.value for o in Origin} else Origin.SM120PATCH
         else:
             origin = Origin.BY_HAND
-        return FileAssessment(read, State.APPLIED, digest, tuple(combination.split("+")), origin, ledger=ledger)
+        ids, former = split_key(combination)
+        return FileAssessment(read, State.APPLIED, digest, ids, origin, ledger=ledger, former=former)
     if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
         return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
     return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
-                          detail=_drift_detail(read.data, patch_set.patches_for(relpath), ledger is not None))
+                          detail=_drift_detail(read.data, patch_set.patches_for(relpath) if patch_set else (),
+                                               ledger is not None))
 
 
 def _drift_detail(data: bytes, patches: Sequence[Patch], edited_after_patching: bool) -> str:

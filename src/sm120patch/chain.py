@@ -300,9 +300,11 @@ def _jit(kernels: Assessment | None, jit: JitStatus | None, aot: Sequence[AotSha
     if jit.stale:
         return Step("jit", StepResult.BLOCKS, f"{jit.stale[0]} was built before its sources last changed, and FlashInfer "
                     "loads it as it is", fix=commands.apply)
-    built = [e for e in jit.entries if any(e.glob("*.so"))]
+    built = [e for e in jit.entries if e not in jit.incomplete]
     if not built:
-        return Step("jit", StepResult.OK, f"no {module} built for {kernels.raw_version} in {jit.base.cache_dir}",
+        what = (f"{module} in {jit.incomplete[0]} is incomplete (no {module}.so: a build that did not finish)"
+                if jit.incomplete else f"no {module} built for {kernels.raw_version} in {jit.base.cache_dir}")
+        return Step("jit", StepResult.OK, what,
                     note=f"its first start compiles {module} (minutes per rank's first call): `{commands.build}` builds it now",
                     fix=commands.build)  # optional on an ok step: what saves the first start its minutes
     archs = ", ".join(e.parent.parent.name for e in built)

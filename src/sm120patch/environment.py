@@ -380,6 +380,21 @@ def _json_or_none(text: str | None) -> Mapping | None:
     return value if isinstance(value, dict) else None
 
 
+def _ledger_files(site_dir: Path, dist_info: Path) -> tuple[str, ...]:
+    """The files sm120patch's ledger of this install lists: their RECORD rows are read too, so
+    that a file another sm120patch patched (one whose data has a patch this one's lacks) is
+    checked against the RECORD and reverted like the others. A ledger that cannot be read adds
+    nothing here; reading it for the run says why."""
+    from sm120patch.errors import Sm120PatchError
+    from sm120patch.state import InstallState
+
+    try:
+        ledger = InstallState.for_install(site_dir, dist_info).read_ledger()
+    except (Sm120PatchError, OSError):
+        return ()
+    return tuple(ledger.files) if ledger is not None else ()
+
+
 def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistribution:
     record_error = None
     if "record_text" in raw:  # found by importlib.metadata in the target (a zip, an egg)
@@ -393,7 +408,8 @@ def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistributi
             data, record_error = None, exc.strerror or str(exc)
         except NotRegularFile as exc:
             data, record_error = None, exc.message
-    record = record_rows(data, wanted.get("files", ()), wanted.get("suffixes", ())) if data is not None else {}
+    files = (*wanted.get("files", ()), *_ledger_files(Path(raw["site_dir"]), Path(raw["dist_info"])))
+    record = record_rows(data, files, wanted.get("suffixes", ())) if data is not None else {}
     return InstalledDistribution(
         name=name,  # the normalized name asked for, not the metadata's spelling
         raw_version=raw["version"],

@@ -91,6 +91,25 @@ class RefusedError(Sm120PatchError):
     exit_code = ExitCode.REFUSED
 
 
+class NewerFormatError(RefusedError):
+    """A ledger or journal written by a newer sm120patch, in a format this one cannot honour:
+    judging or changing the install with it would go by a record this version misreads (an
+    older sm120patch meeting a newer one's state, after a downgrade)."""
+
+
+def newer_format(what: str, path, found, known: int, written_by: str | None) -> NewerFormatError:
+    """The one-line refusal, naming the sm120patch that wrote ``path`` (it can read it)."""
+    from sm120patch import __version__
+
+    writer = written_by or "a newer sm120patch"
+    wanted = written_by.split()[-1] if written_by and written_by.startswith("sm120patch ") else None
+    return NewerFormatError(
+        f"{path} was written by {writer} ({what} format {found}); this sm120patch {__version__} reads format {known} "
+        "and cannot honour it; nothing was changed",
+        hint=(f"install sm120patch {wanted} or later (the version that wrote it)" if wanted else
+              "install the newer sm120patch that patched this environment") + ", then run the command again")
+
+
 class CheckFailedError(Sm120PatchError):
     """A check the user asked for ran and failed, or could not run."""
 

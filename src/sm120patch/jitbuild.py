@@ -6,8 +6,9 @@ The build is FlashInfer's: its JIT spec, its ``build.ninja``, its build lock, it
 (``<base>/.cache/flashinfer/<version>/<archs>/cached_ops/<module>``), its architecture choice
 (``FLASHINFER_CUDA_ARCH_LIST`` when given, else the GPUs it sees). sm120patch adds the
 parallelism (``MAX_JOBS``), the progress, the proof (a fresh process regenerates the same
-``build.ninja``, ninja finds nothing to do, the library loads) and the cleanup of an entry a
-failed build leaves half-written.
+``build.ninja``, ninja finds nothing to do, the library loads), the cleanup of an entry a
+failed or interrupted build leaves half-written, and the end of the whole build (its process
+group, ninja and nvcc included) when a signal interrupts it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ except Exception as exc:
     say(error="%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else ""), kind="import")
     sys.exit(0)
 say(build_dir=str(spec.build_dir), library=str(spec.jit_library_path), existed=spec.build_dir.exists(),
-    aot=bool(getattr(spec, "is_aot", False)))
+    had_library=spec.jit_library_path.exists(), aot=bool(getattr(spec, "is_aot", False)))
 if request["phase"] == "build":
     def stamp():
         library = spec.jit_library_path
@@ -134,18 +135,26 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     if progress:
         progress(f"building {module} with FlashInfer's JIT in {python} for "
                  f"{arch or 'the GPUs FlashInfer sees'} into {base} ({env['MAX_JOBS']} jobs; minutes)", 0, 0)
-    events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress)
-    libcuda = None
-    if "error" in events and events.get("build_dir") and _missing_libraries(tail) == ["cuda"]:
-        # Every object compiled; only libcuda is missing. Link again (ninja redoes the link alone)
-        # against a stub made from the objects' own driver calls.
-        events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress, Path(events["build_dir"]), owner)
+    events: dict = {}
+    try:
+        events, tail = _run(python, {"spec": spec, "phase": "build"}, env, run_as, progress, events)
+        libcuda = None
+        if "error" in events and events.get("build_dir") and _missing_libraries(tail) == ["cuda"]:
+            # Every object compiled; only libcuda is missing. Link again (ninja redoes the link alone)
+            # against a stub made from the objects' own driver calls.
+            events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress,
+                                                    Path(events["build_dir"]), owner, events)
+    except BaseException:  # a signal (the build's processes are gone by now), or a stub that cannot be made
+        from sm120patch import signals
+
+        with signals.held():  # a second Ctrl-C must not leave the removal half done
+            _remove_partial(events)
+        raise
     elapsed = time.monotonic() - start
     where = events.get("build_dir")
     if "error" in events:
         home = _ninja_cuda_home(Path(where)) if where else None
-        if where and not events.get("existed"):  # no half-written cache entry
-            shutil.rmtree(where, ignore_errors=True)
+        removed = _remove_partial(events)
         kind = events.get("kind")
         if kind == "import":
             raise TargetError(f"FlashInfer's JIT does not import in {python}: {events['error']}",
@@ -161,13 +170,13 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
             where_text = f"{home}/lib64" if home else "$CUDA_HOME/lib64"
             raise CheckFailedError(
                 f"FlashInfer compiled {module} but could not link it: no {', '.join('lib' + m for m in missing)} in "
-                f"{where_text} (FlashInfer's CUDA home: $CUDA_HOME, else two levels above the nvcc on PATH); the "
-                "half-built entry was removed",
+                f"{where_text} (FlashInfer's CUDA home: $CUDA_HOME, else two levels above the nvcc on PATH)"
+                + ("; the half-built entry was removed" if removed else ""),
                 hint="set CUDA_HOME to the CUDA toolkit's root (the directory with bin/nvcc and lib64/), e.g. "
                      "CUDA_HOME=/usr/local/cuda, and run it again")
         raise CheckFailedError(f"FlashInfer's JIT build of {module} failed after {elapsed:.0f} s: {events['error']}"
                                + ("; the patched sources are in place, the half-built entry was removed"
-                                  if where and not events.get("existed") else ""),
+                                  if removed else ""),
                                hint=("the build's last lines:\n" + detail) if detail else None)
     if "built" not in events:
         raise CheckFailedError(f"FlashInfer's JIT build of {module} stopped without a result: " + (tail[-1] if tail else "no output"))
@@ -187,6 +196,18 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
                        arch_note(arch), libcuda)
 
 
+def _remove_partial(events: dict) -> bool:
+    """The entry a build that did not finish leaves (build.ninja, .d and object files, no
+    library), which FlashInfer would take for its own at the next start, and status for a
+    built one. An entry that had its library before this build is left as it was: the build
+    did not make it."""
+    where = events.get("build_dir")
+    if not where or events.get("had_library") or Path(events.get("library") or where).is_file():
+        return False
+    shutil.rmtree(where, ignore_errors=True)
+    return True
+
+
 def _missing_libraries(tail: list[str]) -> list[str]:
     """The -l libraries the linker said it cannot find (ld: "cannot find -lcuda")."""
     return sorted(set(re.findall(r"cannot find -l([\w.+-]+)", "\n".join(tail))))
@@ -202,7 +223,7 @@ def _ninja_cuda_home(build_dir: Path) -> str | None:
 
 
 def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, build_dir: Path,
-                    owner: Owner | None) -> tuple[dict, list[str], str]:
+                    owner: Owner | None, events: dict) -> tuple[dict, list[str], str]:
     symbols = driver_symbols(sorted(build_dir.rglob("*.o")))
     with tempfile.TemporaryDirectory(prefix="sm120patch-libcuda-") as scratch:
         directory = Path(scratch)
@@ -211,7 +232,10 @@ def _link_with_stub(python: Path, spec: str, env: dict, run_as: dict, progress, 
             for path in (directory, *directory.iterdir()):
                 os.chown(path, owner.uid, owner.gid)
         search = os.pathsep.join(filter(None, [scratch, env.get("LIBRARY_PATH")]))
-        events, tail = _run(python, {"spec": spec, "phase": "build"}, dict(env, LIBRARY_PATH=search), run_as, progress)
+        events.pop("error", None)
+        events.pop("kind", None)
+        events, tail = _run(python, {"spec": spec, "phase": "build"}, dict(env, LIBRARY_PATH=search), run_as, progress,
+                            events)
     calls = (f"the {counted(len(symbols), 'driver function')} the objects call, soname libcuda.so.1" if symbols else
              "the objects call no driver function: the linker records no libcuda, as with the real driver")
     why = (f"linked against a libcuda stub sm120patch made for this link alone ({calls}; then removed): the link "
@@ -323,22 +347,113 @@ def _run_as(owner: Owner | None) -> dict:
 
 
 def _run(python: Path, request: dict, env: dict, run_as: dict,
-         progress: Callable[[str, int, int], None] | None) -> tuple[dict, list[str]]:
-    events: dict = {}
+         progress: Callable[[str, int, int], None] | None, events: dict | None = None) -> tuple[dict, list[str]]:
+    """Run one phase in the target interpreter. ``events`` (filled as they arrive) is the
+    caller's, so that what the build had said (its entry) is known even when a signal ends it.
+
+    The build runs in a process group of its own (a new session): a SIGTERM sent to sm120patch
+    alone (systemd, Ansible) would otherwise leave FlashInfer's ninja and its nvcc running with
+    parent PID 1, writing into the cache after sm120patch exited; and a Ctrl-C reaches
+    sm120patch only, which ends the build itself, waits for it and then reports (never a
+    traceback from the target's interpreter). On any exception here (a signal, an I/O error)
+    the whole group, and whatever it started in groups of its own (ninja puts each compiler
+    in one), is ended before the exception goes on."""
+    events = {} if events is None else events
     tail: deque[str] = deque(maxlen=20)
     proc = subprocess.Popen([str(python), "-c", _SCRIPT, json.dumps(request)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd="/", **run_as)
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd="/", start_new_session=True, **run_as)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        if line.startswith("@@sm120patch "):
-            events.update(json.loads(line[len("@@sm120patch "):]))
-            continue
-        tail.append(line)
-        step = _STEP.match(line)
-        if step and progress:
-            progress(line, int(step.group(1)), int(step.group(2)))
-    proc.wait()
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("@@sm120patch "):
+                events.update(json.loads(line[len("@@sm120patch "):]))
+                continue
+            tail.append(line)
+            step = _STEP.match(line)
+            if step and progress:
+                progress(line, int(step.group(1)), int(step.group(2)))
+        proc.wait()
+    except BaseException:
+        from sm120patch import signals
+
+        with signals.held():  # a second Ctrl-C must not cut the cleanup short
+            end_group(proc)
+        raise
+    finally:
+        proc.stdout.close()
     if proc.returncode and "error" not in events:
         events["error"] = f"the build process exited with {proc.returncode}"
     return events, list(tail)
+
+
+GRACE_S = 5.0  # how long the build has to stop after SIGTERM before it is killed
+
+
+def end_group(proc: subprocess.Popen, grace: float = GRACE_S) -> None:
+    """End ``proc`` (a session leader), its process group and every process below it: SIGTERM
+    (ninja passes it on to its compilers' groups), then SIGKILL to whatever is left after
+    ``grace`` seconds; return once they are gone."""
+    import signal
+
+    doomed: set[int] = set()
+    for how, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if proc.poll() is None:  # (what it started since the last look, while it can still be found)
+            doomed |= _descendants(proc.pid) | {proc.pid}
+        doomed = {pid for pid in doomed if _alive(pid)}
+        groups = {proc.pid} | {g for g in map(_pgid, doomed) if g is not None and g != os.getpgrp()}
+        for group in groups:
+            try:
+                os.killpg(group, how)
+            except OSError:  # gone already, or not ours to signal
+                pass
+        for pid in doomed:
+            try:
+                os.kill(pid, how)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while doomed and time.monotonic() < deadline:
+            proc.poll()  # reaps our child, so that it stops counting as alive
+            doomed = {pid for pid in doomed if _alive(pid)}
+            if doomed:
+                time.sleep(0.05)
+        if not doomed:
+            break
+    proc.wait()
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below ``root`` (read from /proc: the build's ninja and compilers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                children.setdefault(int(stat[3]), []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the state on (the name, in parentheses, may hold spaces)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return ["", ""] + text[text.rindex(")") + 2:].split()
+
+
+def _pgid(pid: int) -> int | None:
+    stat = _stat(pid)
+    return int(stat[4]) if stat else None
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[2] not in ("Z", "X")  # a zombie has stopped: only its parent's wait is left

@@ -77,6 +77,12 @@ def asides(version: str, base: Path, module: str) -> list[Path]:
     return sorted(p for arch in arch_dirs(version, base) for p in (arch / "cached_ops").glob(f".{module}{ASIDE_TAG}*"))
 
 
+def is_built(entry: Path, module: str) -> bool:
+    """Whether the entry has its library (``<module>.so``): without it, it is what a build that
+    did not finish leaves, which FlashInfer completes at its next start."""
+    return (entry / f"{module}.so").is_file()
+
+
 def is_stale(entry: Path, sources: list[Path]) -> bool:
     """An entry is stale when some file in it predates the newest of the module's patched
     sources (sm120patch removes entries when it changes sources, so this finds entries built

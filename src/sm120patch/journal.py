@@ -17,11 +17,14 @@ import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from sm120patch.errors import TransactionError
+from sm120patch import __version__
+from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.state import Owner, state_root
 
 JOURNAL_FORMAT = 2
+# Who wrote it: an older sm120patch that cannot honour a newer format refuses and names this one.
+WRITTEN_BY = f"sm120patch {__version__}"
 JOURNAL_NAME = "journal.json"
 REVERT_FORCE = "sm120patch revert --force"  # callers name the target: revert_command="... --python P"
 
@@ -46,12 +49,13 @@ class Journal(NamedTuple):
         return f"an interrupted {self.operation} (started {self.started})"
 
     def to_bytes(self) -> bytes:
-        return _dump({"format": JOURNAL_FORMAT, "operation": self.operation, "run": self.run, "pid": self.pid,
-                      "started": self.started, "roots": list(self.roots), "entries": list(self.entries)})
+        return _dump({"format": JOURNAL_FORMAT, "written_by": WRITTEN_BY, "operation": self.operation, "run": self.run,
+                      "pid": self.pid, "started": self.started, "roots": list(self.roots),
+                      "entries": list(self.entries)})
 
     def pointer_bytes(self) -> bytes:
         """The journal of every other install location it touches: a pointer to this one."""
-        return _dump({"format": JOURNAL_FORMAT, "primary": str(self.path), "run": self.run})
+        return _dump({"format": JOURNAL_FORMAT, "written_by": WRITTEN_BY, "primary": str(self.path), "run": self.run})
 
 
 def _dump(document: dict) -> bytes:
@@ -79,6 +83,12 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> Journal |
         raise _no_access(path.parent) from None
     except (OSError, ValueError) as exc:
         raise _unreadable(path, exc, revert_command) from None
+    found = document.get("format") if isinstance(document, dict) else None
+    if isinstance(found, int) and not isinstance(found, bool) and found > JOURNAL_FORMAT:
+        # A newer sm120patch's run: rolling it back (or "restoring every file" by force) with a
+        # record this version misreads could make things worse; the version that wrote it can.
+        written_by = document.get("written_by")
+        raise newer_format("journal", path, found, JOURNAL_FORMAT, written_by if isinstance(written_by, str) else None)
     if isinstance(document, dict) and "primary" in document:
         primary = Path(document["primary"])
         if not primary.exists():

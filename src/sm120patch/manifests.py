@@ -21,8 +21,16 @@ from sm120patch.patchsets import Patch, PatchSet
 FORMAT = 1
 
 
-def combination_key(patches: Sequence[Patch]) -> str:
-    return "+".join(p.id for p in patches)
+def combination_key(patches: Sequence[Patch], forms: Sequence[str | None] = ()) -> str:
+    """``jit-gate+pdl-gates``; a patch in an older form is ``<id>@<form>`` (``auto-enable@ungated``)."""
+    forms = list(forms) or [None] * len(patches)
+    return "+".join(p.id + (f"@{form}" if form else "") for p, form in zip(patches, forms))
+
+
+def split_key(key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the ids of a combination key, those of them applied in an older form)."""
+    parts = key.split("+")
+    return tuple(p.partition("@")[0] for p in parts), tuple(p.partition("@")[0] for p in parts if "@" in p)
 
 
 class FileHashes(NamedTuple):
@@ -92,8 +100,12 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
             patched = {}
             for size in range(1, len(patches) + 1):
                 for combo in itertools.combinations(patches, size):
-                    result = apply_edits(pristine, combo, where=f"{wheel.name}: {relpath}")
-                    patched[combination_key(combo)] = sha256(result)
+                    # Each patch as today's data has it, and in every older form it ever had
+                    # (an environment an earlier sm120patch patched is recognised by these).
+                    for forms in itertools.product(*[[None, *(f.form for f in p.formers)] for p in combo]):
+                        made = [p.former(form) if form else p for p, form in zip(combo, forms)]
+                        result = apply_edits(pristine, made, where=f"{wheel.name}: {relpath}")
+                        patched[combination_key(combo, forms)] = sha256(result)
             files[relpath] = {"pristine": record[relpath], "patched": patched}
     return {
         "format": FORMAT,

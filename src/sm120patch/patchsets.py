@@ -32,6 +32,18 @@ class Edit(NamedTuple):
     params: Mapping[str, Any]
 
 
+class Former(NamedTuple):
+    """An applied form a patch had in an earlier sm120patch (``[[patch.former]]``). It stays in
+    the data for good: an environment patched with it is recognised by its hashes (the vendor
+    manifest has them, keyed ``<id>@<form>``), shown as the older form, brought to today's form
+    by ``apply`` and reverted exactly."""
+
+    form: str  # its name, unique within the patch ("ungated")
+    summary: str  # what it did, and until when
+    check: str  # its semantic check
+    edits: tuple[Edit, ...]
+
+
 class Patch(NamedTuple):
     id: str
     file: str
@@ -41,6 +53,18 @@ class Patch(NamedTuple):
     edits: tuple[Edit, ...]
     upstream: str | None = None
     fixed_in: str | None = None
+    formers: tuple[Former, ...] = ()
+
+    def former(self, form: str) -> "Patch":
+        """This patch as its older form ``form`` made it (its edits and check): what the
+        manifest builder runs to know that form's bytes."""
+        for former in self.formers:
+            if former.form == form:
+                return self._replace(edits=former.edits, check=former.check, formers=())
+        raise KeyError(form)
+
+
+_FORM = __import__("re").compile(r"^[a-z0-9][a-z0-9-]*$")  # no '+' or '@': manifest keys join ids with them
 
 
 class PatchSet(NamedTuple):
@@ -113,6 +137,24 @@ def read_toml(path: Path, where: str) -> dict:
         raise PatchDataError(f"{where}: not valid TOML ({exc})") from None
 
 
+def _edits(raw: Mapping, where: str, check_rewriters: bool) -> tuple[Edit, ...]:
+    edits = []
+    for raw_edit in _require(raw, "edit", list, where):
+        sites = _require(raw_edit, "sites", int, where)
+        if sites < 1:
+            raise PatchDataError(f"{where}: sites must be at least 1")
+        edit = Edit(rewriter=_require(raw_edit, "rewriter", str, where), sites=sites,
+                    params=dict(_require(raw_edit, "params", dict, where)))
+        if check_rewriters:
+            from sm120patch.rewriters import create
+
+            create(edit.rewriter, edit.params)
+        edits.append(edit)
+    if not edits:
+        raise PatchDataError(f"{where}: no edits")
+    return tuple(edits)
+
+
 def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = True) -> PatchSet:
     """Read and validate one patch-set file of ``distribution``. With ``check_rewriters`` (the
     default) each edit's rewriter is constructed, which validates its name and parameters;
@@ -137,24 +179,28 @@ def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = Tr
         check = _require(raw, "check", str, pwhere)
         if check not in CHECKS:
             raise PatchDataError(f"{pwhere}: no semantic check named {check!r} (known: {', '.join(sorted(CHECKS))})")
-        edits = []
-        for raw_edit in _require(raw, "edit", list, pwhere):
-            sites = _require(raw_edit, "sites", int, pwhere)
-            if sites < 1:
-                raise PatchDataError(f"{pwhere}: sites must be at least 1")
-            edit = Edit(rewriter=_require(raw_edit, "rewriter", str, pwhere), sites=sites,
-                        params=dict(_require(raw_edit, "params", dict, pwhere)))
-            if check_rewriters:
-                from sm120patch.rewriters import create
-
-                create(edit.rewriter, edit.params)
-            edits.append(edit)
-        if not edits:
-            raise PatchDataError(f"{pwhere}: no edits")
+        edits = _edits(raw, pwhere, check_rewriters)
+        formers = []
+        for findex, raw_former in enumerate(_require(raw, "former", list, pwhere) if "former" in raw else []):
+            fwhere = f"{pwhere}: former #{findex + 1}"
+            form = _require(raw_former, "form", str, fwhere)
+            if not _FORM.match(form) or any(f.form == form for f in formers):
+                raise PatchDataError(f"{fwhere}: form {form!r} must be a unique name of lower-case letters, digits "
+                                     "and '-'")
+            fcheck = _require(raw_former, "check", str, fwhere)
+            if fcheck not in CHECKS:
+                raise PatchDataError(f"{fwhere}: no semantic check named {fcheck!r}")
+            unknown = set(raw_former) - {"form", "summary", "check", "edit"}
+            if unknown:
+                raise PatchDataError(f"{fwhere}: unknown key(s) {', '.join(sorted(unknown))}")
+            former_edits = _edits(raw_former, f"{pwhere}: former {form}", check_rewriters)
+            if former_edits == edits:
+                raise PatchDataError(f"{pwhere}: former {form} has today's edits: it is not an older form")
+            formers.append(Former(form, _require(raw_former, "summary", str, fwhere), fcheck, former_edits))
         patches.append(Patch(
             id=patch_id, file=file, required=_require(raw, "required", bool, pwhere),
-            summary=_require(raw, "summary", str, pwhere), check=check, edits=tuple(edits),
-            upstream=raw.get("upstream"), fixed_in=raw.get("fixed_in"),
+            summary=_require(raw, "summary", str, pwhere), check=check, edits=edits,
+            upstream=raw.get("upstream"), fixed_in=raw.get("fixed_in"), formers=tuple(formers),
         ))
     versions = tuple(require_version(v, where) for v in _require(doc, "versions", list, where))
     if not versions:

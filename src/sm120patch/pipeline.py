@@ -23,7 +23,7 @@ from sm120patch import chain, jitcache, signals
 from sm120patch.assess import Assessment, assess, present_by_meaning
 from sm120patch.distributions import ANY, Registry, load_registry
 from sm120patch.environment import Environment, Probe, start_probe
-from sm120patch.errors import BuildInterrupted, RefusedError, Sm120PatchError, UsageError
+from sm120patch.errors import BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import install_locks
@@ -207,6 +207,8 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
         pending, blocks = None, False
         try:
             ledger = tree.read_ledger()
+        except NewerFormatError as exc:  # readable, by the newer sm120patch it names
+            ledger, pending, blocks = None, exc.message, True
         except Sm120PatchError as exc:
             ledger, pending, blocks = None, f"unreadable ledger ({exc.message})", True
         run = tree.pending(located.command("revert --force"))
@@ -442,7 +444,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                 continue
             try:
                 a = _assess(tree)
-                if a.patch_set is None:
+                if a.patch_set is None and not a.unknown:  # (a ledger's files are reverted without a set)
                     report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
                     continue
                 plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=not request.dry_run)

@@ -105,7 +105,11 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
     ledger_files: dict[str, LedgerFile] = dict(assessment.ledger.files) if assessment.ledger else {}
     planned, adopted = [], []
     unpinned = assessment.unpinned or bool(assessment.ledger and assessment.ledger.unpinned)
-    for relpath in dict.fromkeys(p.file for p in selected):
+    # The files of the selected patches, and every file with a patch in an older form (an
+    # earlier sm120patch's): apply brings it to today's form, in the same transaction, even when
+    # that patch is opt-in and not named again with --with.
+    older = [rel for rel, fa in assessment.files.items() if fa.former and fa.state is State.APPLIED]
+    for relpath in dict.fromkeys([*(p.file for p in selected), *older]):
         fa = assessment.files[relpath]
         wanted_ids = {p.id for p in selected if p.file == relpath} | set(fa.applied)
         wanted = [p for p in patch_set.patches_for(relpath) if p.id in wanted_ids]
@@ -119,7 +123,7 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
             raise _refuse_link(assessment, fa)
         if fa.state is State.DRIFTED and not force:
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
-        if fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None:
+        if fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None and not fa.former:
             if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
                 ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
                                                    origin=Origin.ADOPTED.value)
@@ -172,7 +176,10 @@ def plan_revert(assessment: Assessment, *, force: bool = False, wheel_dir: Path 
     ledger = assessment.ledger
     release = partial(assessment.tree.release_bytes, wheel_dir=wheel_dir, download=download)
     planned = []
-    for relpath, fa in assessment.files.items():
+    # The ledger's files too, not only the patch set's: a file a newer sm120patch patched with a
+    # patch this one's data lacks has its original saved all the same, and a revert that left
+    # it patched (and then removed that original with the ledger) would lose the release's bytes.
+    for relpath, fa in {**assessment.files, **assessment.unknown}.items():
         entry = ledger.files.get(relpath) if ledger else None
         if fa.read.problem:
             raise RefusedError(f"refusing to revert {assessment.name}: {fa.path}: {fa.read.problem}",

@@ -32,7 +32,9 @@ def _patch_word(item: TreeStatus, patch) -> str:
         return item.tree.presence_word(item.by_meaning.get(patch.id, state is State.APPLIED))
     word = state.value
     fa = item.assessment.files.get(patch.file)
-    if state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+    if state is State.APPLIED and fa is not None and patch.id in fa.former:
+        word += " (older form)"
+    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
         word += f" ({fa.origin.value})"
     return word
 
@@ -50,6 +52,15 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
         if fa.state is State.APPLIED and fa.origin is Origin.BY_HAND:
             lines.append(f"  ! {fa.relpath}: patched by hand, identical to {', '.join(fa.applied)}; sm120patch has no "
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
+        elif fa.detail:
+            lines.append(f"  ! {fa.relpath}: {fa.detail}")
+    for patch_id in a.former_ids:
+        lines.append(f"  ! {patch_id}: applied (older form): `{report.apply_command}` updates it to today's "
+                     f"({a.patch_set.patch(patch_id).summary})")
+    for fa in a.unknown.values():  # the ledger's, unknown to this sm120patch's data (a newer one patched it)
+        if fa.state is State.APPLIED:
+            lines.append(f"  ! {fa.relpath}: patched by an sm120patch whose data has {', '.join(fa.applied)}, which this "
+                         "one's does not: `revert` restores the release's bytes from the saved original")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
     if a.dropped_by_reinstall:
@@ -179,12 +190,17 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
     if not jit.entries:
         lines.append(f"    no {item.distribution.jit_module} entries for {item.assessment.raw_version} "
                      "(FlashInfer builds one on first use)")
+    module = item.distribution.jit_module
+    incomplete = (f"incomplete (no {module}.so: a build that did not finish); the next start rebuilds it")
     for entry in jit.entries:
-        if entry in jit.stale:
-            mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
-        elif entry in jit.foreign:
+        if entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
-                    "cache share this entry, and a patch or revert in either one invalidates it")
+                    "cache share this entry, and a patch or revert in either one invalidates it"
+                    + (f"; {incomplete}" if entry in jit.incomplete else ""))
+        elif entry in jit.stale:
+            mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
+        elif entry in jit.incomplete:
+            mark = incomplete
         else:
             mark = "current"
         lines.append(f"    {entry}: {mark}")
@@ -233,6 +249,7 @@ def status_json(report: StatusReport) -> dict:
                 "stale": [str(e) for e in item.jit.stale],
                 "foreign": {str(k): str(v) for k, v in item.jit.foreign.items()},
                 "asides": [str(e) for e in item.jit.asides],
+                "incomplete": [str(e) for e in item.jit.incomplete],
             },
         }
         if a.patch_set:
@@ -244,6 +261,7 @@ def status_json(report: StatusReport) -> dict:
                     "origin": fa.origin.value if fa.origin and a.patch_state(patch) is not State.PRISTINE else None,
                     "link": fa.link, "sha256": fa.sha256, "upstream": patch.upstream, "fixed_in": patch.fixed_in,
                     "detail": fa.detail or None,
+                    "older_form": patch.id in fa.former,
                     "in_head": item.by_meaning.get(patch.id) if tree.judged_by_meaning else None,
                 })
         elif item.by_meaning:

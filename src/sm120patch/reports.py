@@ -30,6 +30,9 @@ class JitStatus(NamedTuple):
     stale: list[Path]
     foreign: Mapping[Path, Path]  # entry -> a source of another environment
     asides: list[Path]
+    # Entries without the module's library: a build that did not finish (build.ninja, .d and
+    # object files). FlashInfer's next start builds the rest; nothing loads one as it is.
+    incomplete: Sequence[Path] = ()
 
 
 class TreeStatus(NamedTuple):

@@ -115,10 +115,15 @@ def auto_enable(text: str) -> tuple[bool, str]:
 
 @check("auto-enable-tp2")
 def auto_enable_tp2(text: str) -> tuple[bool, str]:
-    """0.5.15+: the architecture alternative in _flashinfer_allreduce_fusion_auto_enable accepts
+    """The architecture alternative of SGLang's auto-enable condition (0.5.15+:
+    _flashinfer_allreduce_fusion_auto_enable; 0.5.8-0.5.14: _handle_model_specific_adjustments) accepts
     SM120 only together with ``tp_size == 2`` (what the evidence supports; larger TP stays the
     user's explicit choice)."""
-    for function in _functions(ast.parse(text), "_flashinfer_allreduce_fusion_auto_enable"):
+    tree = ast.parse(text)
+    # 0.5.15+: overrides.py's own function; 0.5.8-0.5.14: server_args.py's model adjustments.
+    functions = [*_functions(tree, "_flashinfer_allreduce_fusion_auto_enable"),
+                 *_functions(tree, "_handle_model_specific_adjustments")]
+    for function in functions:
         for node in (n for n in ast.walk(function) if isinstance(n, ast.BoolOp) and isinstance(n.op, ast.Or)):
             operands = [ast.unparse(v) for v in node.values]
             if not any("sm90" in op for op in operands):
@@ -127,7 +132,7 @@ def auto_enable_tp2(text: str) -> tuple[bool, str]:
                      and any("sm120" in ast.unparse(p) for p in v.values)
                      and any(ast.unparse(p).endswith("tp_size == 2") for p in v.values)]
             return bool(gated), f"auto-enable condition: {' or '.join(operands)}"
-    return False, "no SM90 condition in _flashinfer_allreduce_fusion_auto_enable"
+    return False, "no SM90 condition in SGLang's auto-enable function"
 
 
 def _guarded(scope: ast.AST, names: tuple[str, ...], guard: str) -> tuple[int, int]:

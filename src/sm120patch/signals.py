@@ -8,7 +8,8 @@ the same way, and what the run then says is what happened:
   and its report), a signal is only noted: a rollback cut in half, or a commit reported as a
   rollback, would each make the message false. The command then finishes, says that the change
   stands, and exits as it would have. The one exception is ``apply --build``'s build
-  (:func:`interruptible`): a signal ends it, and the report says the patch stands.
+  (:func:`interruptible`): a signal ends it (jitbuild ends the build's whole process group and
+  removes the entry it had started), and the report says the patch stands.
 
 Only the CLI installs the handlers (:func:`handled`); used as a library, sm120patch leaves the
 process's signals alone and these functions do nothing.

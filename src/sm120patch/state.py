@@ -26,7 +26,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-from sm120patch.errors import TransactionError
+from sm120patch import __version__
+from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
 from sm120patch.words import counted
@@ -134,6 +135,8 @@ class Ledger(NamedTuple):
     def to_bytes(self) -> bytes:
         document = {
             "format": LEDGER_FORMAT,
+            # Who wrote it: an older sm120patch that cannot read a newer format names this one.
+            "written_by": f"sm120patch {__version__}",
             "distribution": self.distribution,
             "version": self.version,
             "dist_info": self.dist_info,
@@ -151,6 +154,11 @@ class Ledger(NamedTuple):
     def from_bytes(cls, data: bytes, where: Path) -> "Ledger":
         try:
             doc = json.loads(data)
+            found = doc.get("format")
+            if isinstance(found, int) and not isinstance(found, bool) and found > LEDGER_FORMAT:
+                written_by = doc.get("written_by")
+                raise newer_format("ledger", where, found, LEDGER_FORMAT,
+                                   written_by if isinstance(written_by, str) else None)
             if doc.get("format") != LEDGER_FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}, this sm120patch reads {LEDGER_FORMAT}")
             return cls(

@@ -279,8 +279,13 @@ class InstalledTree:
             other = jitcache.foreign_entry(entry, self.dist.site_dir)
             if other is not None:
                 foreign[entry] = other
-        return JitStatus(base, entries, stale=[e for e in entries if jitcache.is_stale(e, sources)], foreign=foreign,
-                         asides=jitcache.asides(self.raw_version, base.path, module))
+        # An entry built from another environment's files is that environment's: its age says
+        # nothing against this environment's sources (installed or patched later, say), so it is
+        # reported as foreign, never as stale here.
+        stale = [e for e in entries if e not in foreign and jitcache.is_stale(e, sources)]
+        return JitStatus(base, entries, stale=stale, foreign=foreign,
+                         asides=jitcache.asides(self.raw_version, base.path, module),
+                         incomplete=[e for e in entries if not jitcache.is_built(e, module)])
 
     def aot_shadows(self) -> list[AotShadow]:
         module = self.distribution.jit_module

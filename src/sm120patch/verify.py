@@ -62,7 +62,12 @@ def static_checks(item: TreeStatus) -> list[CheckResult]:
             f"{patch.file}: {state.value}" + (f" (sha256 {fa.sha256[:12]} = manifest)" if state is State.APPLIED else ""),
         ))
         if fa.state is not State.MISSING and fa.read.data is not None:
-            ok, detail = evaluate(patch.check, fa.read.data)
+            # An older form (an earlier sm120patch's) is checked as that form; status says to update it.
+            checks = [f.check for f in patch.formers] if patch.id in fa.former else [patch.check]
+            found = [evaluate(c, fa.read.data) for c in checks]
+            ok, detail = next((r for r in found if r[0]), found[0])
+            if patch.id in fa.former:
+                detail = f"older form: {detail}"
             if ok is None:
                 ok, detail = False, f"cannot parse {patch.file} ({detail})"
             results.append(CheckResult("semantic", f"{a.name} {patch.id}", ok, detail))
@@ -202,7 +207,21 @@ print(json.dumps(out))
         if progress:
             progress(f"building trtllm_comm for {arch_list} with FlashInfer's JIT (minutes) ...")
         start = time.monotonic()
-        proc = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, cwd="/")
+        # A process group of its own, ended whole on a signal (jitbuild.end_group): a killed
+        # interpreter alone would leave FlashInfer's ninja and nvcc running.
+        from sm120patch.jitbuild import end_group
+
+        proc = subprocess.Popen([str(python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd="/", start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate()
+        except BaseException:
+            from sm120patch import signals
+
+            with signals.held():
+                end_group(proc)
+            raise
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         elapsed = time.monotonic() - start
         try:
             out = json.loads(proc.stdout.strip().splitlines()[-1])
