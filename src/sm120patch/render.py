@@ -471,13 +471,13 @@ def render_list(registry, installed: dict | None = None, target: str | None = No
         for span, count, required, optional in rows:
             lines.append(f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
         for version in distribution.sdist_only:
-            lines.append(f"  {version:<{width}} sdist only: not supported (no RECORD to check against)")
+            lines.append(f"  {version:<{width}}  sdist only: not supported (no RECORD to check against)")
         for uncovered in distribution.not_covered:
-            lines.append(f"  {_spec_words(uncovered.versions):<{width}} not covered: {uncovered.reason}")
+            lines.append(f"  {_spec_words(uncovered.versions):<{width}}  not covered: {uncovered.reason}")
         for exempt in distribution.nothing_to_patch:
-            lines.append(f"  {_spec_words(exempt.versions):<{width}} nothing to patch: {exempt.reason.replace(' {version}', '')}")
+            lines.append(f"  {_spec_words(exempt.versions):<{width}}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
         if fixed:
-            lines.append(f"  {str(fixed) + ' and later':<{width}} native SM120 support: nothing to patch")
+            lines.append(f"  {str(fixed) + ' and later':<{width}}  native SM120 support: nothing to patch")
     return "\n".join(lines)
 
 
