@@ -79,7 +79,7 @@ def test_manifest_build_check_through_the_cli(wheel_cache, tmp_path):
     # check-manifests` runs the command over all of them (vLLM's 34 wheels are ~13 GB).
     ok = run_cli("manifest", "build", "--check", "--wheel-cache", str(wheel_cache), "--distribution", "flashinfer-python")
     assert ok.exit_code == 0, ok.output
-    lines = ok.output.splitlines()
+    lines = ok.stdout.splitlines()  # progress lines go to stderr
     registry = load_registry()
     assert len(lines) == sum(len(ps.versions) for ps in registry.get("flashinfer-python").patch_sets)
     assert all(line.startswith("ok") for line in lines)
