@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from sm120patch.errors import TransactionError
-from sm120patch.state import Owner
+from sm120patch.state import Owner, missing_parents
 
 LOCK_TIMEOUT_S = 10.0
 
@@ -59,12 +59,7 @@ def _make_dirs(directory: Path, owner: Owner | None) -> None:
     """``directory`` and its missing parents, each given ``owner``: root creating FlashInfer's
     ``cached_ops/tmp/`` in a service user's cache must leave it that user's, or the user could
     no longer create the lock of any module there (the server would fail to build or load)."""
-    missing = []
-    probe = directory
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for path in reversed(missing):
+    for path in missing_parents(directory):
         try:
             path.mkdir()  # the mode FlashInfer's own makedirs gives it (0777 less the umask)
         except FileExistsError:

@@ -85,15 +85,21 @@ def state_root(site_dir: Path) -> Path:
     return site_dir / ".sm120patch"
 
 
-def ensure_dir(path: Path, owner: Owner) -> None:
-    """Create ``path`` and its missing parents (mode 0700, owned by ``owner``); refuse a state
-    directory that other users can write to."""
+def missing_parents(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, outermost first (what a mkdir -p
+    would create)."""
     missing = []
     probe = path
     while not probe.exists():
         missing.append(probe)
         probe = probe.parent
-    for directory in reversed(missing):
+    return missing[::-1]
+
+
+def ensure_dir(path: Path, owner: Owner) -> None:
+    """Create ``path`` and its missing parents (mode 0700, owned by ``owner``); refuse a state
+    directory that other users can write to."""
+    for directory in missing_parents(path):
         try:
             directory.mkdir(mode=STATE_DIR_MODE)
         except FileExistsError:
