@@ -43,8 +43,21 @@ def states(env: ServingEnv) -> dict[str, str]:
     return found
 
 
-def spawn(env: ServingEnv, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(sm120patch_argv(env, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def spawn(env: ServingEnv, *args: str, wait: float | None = None) -> subprocess.Popen:
+    environ = dict(os.environ, **({"SM120PATCH_LOCK_WAIT": str(wait)} if wait is not None else {}))
+    return subprocess.Popen(sm120patch_argv(env, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environ)
+
+
+def stderr_until(proc: subprocess.Popen, words: str) -> str:
+    """What ``proc`` wrote to stderr up to and including the line that holds ``words``: the
+    test moves on when the run has reached that point, never after a guessed sleep."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if words in line:
+            return "".join(seen)
+    pytest.fail(f"the run ended (exit {proc.wait()}) before it said {words!r}: {''.join(seen)}")
 
 
 @pytest.fixture
@@ -76,15 +89,18 @@ def test_two_runs_at_once_behave_as_one_after_the_other(sm120patch, serving_env,
     if first == ("revert",):
         assert sm120patch("apply").exit_code == 0
     held_install_lock = take_install_lock(serving_env)
-    a = spawn(serving_env, *first)
-    time.sleep(1.0)  # a takes its place in the queue first
-    b = spawn(serving_env, *second)
-    time.sleep(1.0)
+    # Both wait on the lock before it is released; the wait is long enough that whichever takes
+    # it second never gives up while the first runs, however busy the machine is.
+    a = spawn(serving_env, *first, wait=600)
+    waited_a = stderr_until(a, "waiting: another sm120patch is changing")
+    b = spawn(serving_env, *second, wait=600)
+    waited_b = stderr_until(b, "waiting: another sm120patch is changing")
     held_install_lock()
-    out_a, err_a = a.communicate(timeout=120)
-    out_b, err_b = b.communicate(timeout=120)
+    out_a, err_a = a.communicate(timeout=600)
+    out_b, err_b = b.communicate(timeout=600)
+    err_a, err_b = waited_a + err_a, waited_b + err_b
     assert (a.returncode, b.returncode) == (0, 0), (err_a, err_b)
-    assert "waiting: another sm120patch is changing" in err_a and "waiting: another sm120patch is changing" in err_b
+    assert err_a.count("waiting:") == 1 and err_b.count("waiting:") == 1, (err_a, err_b)
     found = states(serving_env)
     # flock grants no order between two waiters: either finished last, and its state stands.
     assert len(set(found.values())) == 1, found
@@ -102,6 +118,29 @@ def test_a_lock_held_past_the_wait_is_exit_4_and_changes_nothing(sm120patch, ser
     assert result.exit_code == ExitCode.FAILED
     one_clear_error(result.output, f"another sm120patch is changing {serving_env.site_packages}; gave up after 10 s")
     assert "waiting:" in result.output and "hint: run again when it has finished" in result.output
+    assert changed(before, snapshot(serving_env)) == []
+
+
+@pytest.mark.parametrize("wait, said", [("1.5", "gave up after 1.5 s"), ("0", "gave up after 0 s")])
+def test_sm120patch_lock_wait_sets_how_long_a_run_waits(sm120patch, serving_env, held_install_lock, monkeypatch,
+                                                         wait, said):
+    monkeypatch.setenv("SM120PATCH_LOCK_WAIT", wait)
+    before = snapshot(serving_env)
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.FAILED
+    one_clear_error(result.output, f"another sm120patch is changing {serving_env.site_packages}; {said}")
+    assert "SM120PATCH_LOCK_WAIT=SECONDS waits longer" in result.output
+    assert changed(before, snapshot(serving_env)) == []
+
+
+@pytest.mark.parametrize("wait", ["soon", "-1", "inf", "nan"])
+def test_a_lock_wait_that_is_not_seconds_is_one_usage_line(sm120patch, serving_env, held_install_lock, monkeypatch,
+                                                           wait):
+    monkeypatch.setenv("SM120PATCH_LOCK_WAIT", wait)
+    before = snapshot(serving_env)
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, f"SM120PATCH_LOCK_WAIT={wait!r} is not a number of seconds (0 or more)")
     assert changed(before, snapshot(serving_env)) == []
 
 

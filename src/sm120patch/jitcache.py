@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
 from sm120patch.state import Owner
 from sm120patch.fileops import ASIDE_TAG
-from sm120patch.locks import LOCK_TIMEOUT_S, flock
+from sm120patch.locks import flock
 from sm120patch.transaction import Change
 
 
@@ -127,7 +127,7 @@ def foreign_entry(entry: Path, site_dir: Path) -> Path | None:
 
 
 def module_locks(entries_: list[Path], module: str, *, owner: Owner | None,
-                 on_wait: Callable[[str], None] | None, timeout: float = LOCK_TIMEOUT_S) -> ExitStack:
+                 on_wait: Callable[[str], None] | None, timeout: float | None = None) -> ExitStack:
     """FlashInfer's own build lock of ``module`` in the arch directory of each entry. FlashInfer
     made the lock file when it built the entry; it is created only where it is missing (an
     entry copied in from elsewhere)."""

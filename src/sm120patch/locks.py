@@ -1,7 +1,7 @@
 """The locks that make two sm120patch runs behave as if one ran after the other: an flock on
 each install location it changes (the directory itself: nothing to create, nothing left
 behind), on a checkout's ``.git``, on FlashInfer's own build lock of a JIT module. Each waits a
-bounded time and says once that it waits."""
+bounded time (``SM120PATCH_LOCK_WAIT`` seconds, 10 unless set) and says once that it waits."""
 
 from __future__ import annotations
 
@@ -13,17 +13,37 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from sm120patch.errors import TransactionError
+from sm120patch.errors import TransactionError, UsageError
 from sm120patch.state import Owner, missing_parents
 
 LOCK_TIMEOUT_S = 10.0
+LOCK_WAIT_VARIABLE = "SM120PATCH_LOCK_WAIT"
+
+
+def lock_wait() -> float:
+    """How long a run waits for another one: ``SM120PATCH_LOCK_WAIT`` seconds where it is set
+    (an Ansible play or a CI job that starts several runs on one environment may want longer
+    than a person at a terminal), else LOCK_TIMEOUT_S."""
+    raw = os.environ.get(LOCK_WAIT_VARIABLE, "").strip()
+    if not raw:
+        return LOCK_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise UsageError(f"{LOCK_WAIT_VARIABLE}={raw!r} is not a number of seconds (0 or more)",
+                         hint=f"unset {LOCK_WAIT_VARIABLE} for the default of {LOCK_TIMEOUT_S:.0f} s")
+    return seconds
 
 
 @contextmanager
-def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], None] | None,
+def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[str], None] | None,
           busy: str, hint: str, create: bool = False, owner: Owner | None = None) -> Iterator[None]:
     """Hold an exclusive flock on ``path`` (a directory, or a lock file created when
-    ``create``); say once that it waits, give up after ``timeout`` seconds."""
+    ``create``); say once that it waits, give up after ``timeout`` seconds (None: lock_wait())."""
+    if timeout is None:
+        timeout = lock_wait()
     try:
         if create and not path.exists():
             _make_dirs(path.parent, owner)
@@ -45,7 +65,7 @@ def flock(path: Path, *, what: str, timeout: float, on_wait: Callable[[str], Non
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
             if time.monotonic() >= deadline:
-                raise TransactionError(f"{busy}; gave up after {timeout:.0f} s; nothing was changed", hint=hint)
+                raise TransactionError(f"{busy}; gave up after {timeout:g} s; nothing was changed", hint=hint)
             if on_wait and not told:
                 on_wait(f"waiting: {busy} ...")
                 told = True
@@ -69,7 +89,7 @@ def _make_dirs(directory: Path, owner: Owner | None) -> None:
 
 
 def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
-                  timeout: float = LOCK_TIMEOUT_S) -> ExitStack:
+                  timeout: float | None = None) -> ExitStack:
     """One sm120patch writer per install location at a time: an flock on the directory itself
     (nothing to create, nothing left behind), taken in path order so two runs never deadlock."""
     stack = ExitStack()
@@ -78,7 +98,7 @@ def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] |
             stack.enter_context(flock(
                 site_dir, what="install location", timeout=timeout, on_wait=on_wait,
                 busy=f"another sm120patch is changing {site_dir}",
-                hint="run again when it has finished"))
+                hint=f"run again when it has finished ({LOCK_WAIT_VARIABLE}=SECONDS waits longer)"))
     except BaseException:
         stack.close()
         raise

@@ -379,9 +379,9 @@ class CheckoutTree:
         return None
 
     def lock(self, on_wait: Callable[[str], None] | None) -> AbstractContextManager:
-        from sm120patch.locks import LOCK_TIMEOUT_S, flock
+        from sm120patch.locks import flock
 
-        return flock(Path(self.repo.git_dir), what="checkout", timeout=LOCK_TIMEOUT_S, on_wait=on_wait,
+        return flock(Path(self.repo.git_dir), what="checkout", timeout=None, on_wait=on_wait,
                      busy=f"another sm120patch is changing {self.root}", hint="run again when it has finished")
 
     def refuse_unwritable(self, plan: Plan) -> None:
