@@ -159,9 +159,11 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
     assert status[-1] == f"next: `{commands(sm120patch, 'apply')}`"
     applied = sm120patch("apply")
     assert applied.exit_code == 0
-    last = applied.output.splitlines()[-1]
-    assert last == (f"next: restart the server with `{FLAG}` (first, `{commands(sm120patch, 'build')}` compiles "
-                    "trtllm_comm so that the start does not); then check-log on its log says whether it fused "
-                    "(`sm120patch check-log --help`)")
+    last = applied.output.splitlines()[-3:]
+    assert last == [f"next: 1. `{commands(sm120patch, 'build')}` (compiles trtllm_comm now, so that the start does not)",
+                    f"      2. restart the server with `{FLAG}`",
+                    "      3. check-log on its log says whether it fused (`sm120patch check-log --help`)"]
+    assert all(len(line) <= 100 for line in last[1:]), last  # the prose; a command is never wrapped
     assert run_cli("check-log", "--help").exit_code == 0
-    assert sm120patch("status").output.splitlines()[-1] == last
+    assert sm120patch("status").output.splitlines()[-3:] == last
+    assert json.loads(sm120patch("status", "--json").output)["next"] == [line[9:] for line in last]

@@ -125,21 +125,23 @@ class Chain(NamedTuple):
         return sentence + (f"; {jit.note}" if jit.note else "")
 
 
-def next_step(chains: Sequence[Chain]) -> str | None:
-    """The one thing to do next, from the first server's chain that is not done (None: no server
-    is installed): the fix of what blocks, what reads what is not known, else the start."""
+def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
+    """What to do next, in order, from the first server's chain that is not done (empty: no
+    server is installed): the fix of what blocks, what reads what is not known, else the build
+    a cold JIT cache wants, the start, and the log check. Each is its own line on the screen, so
+    a long command is never wrapped inside a sentence."""
     for item in chains:
         step = item.blocking or item.unknown
         if step is not None:
-            return f"`{step.fix}`" if step.fix else f"{item.server}: {step.text}"
+            return (f"`{step.fix}`" if step.fix else f"{item.server}: {step.text}",)
     if not chains:
-        return None
+        return ()
     item = chains[0]
     jit = item.step("jit")
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
-    return start + (f" (first, `{jit.fix}` compiles trtllm_comm so that the start does not)" if jit.fix else "") \
-        + "; then check-log on its log says whether it fused (`sm120patch check-log --help`)"
+    return ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
+        start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
 
 
 def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDistribution | None, *,

@@ -3,7 +3,7 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from sm120patch.assess import Origin, State, Verdict
 from sm120patch.chain import Chain, StepResult, next_step
@@ -176,12 +176,27 @@ def render_status(report: StatusReport) -> str:
                      "is gone (uninstalled, or another version now)")
     for path in report.temporaries:
         lines.append(f"  ! {path}: a temporary file of a run that was killed")
-    following = next_step(chains) if chains else (None if report.exit_code == ExitCode.OK or not report.trees
-                                                   else f"`{report.apply_command}`")
+    following = status_next(report)
     if following:
         lines.append("")
-        lines.append(f"next: {following}")
+        lines.extend(_next_lines(following))
     return "\n".join(lines)
+
+
+def status_next(report: StatusReport) -> tuple[str, ...]:
+    """What status says to do next: the chain's steps, else the apply command where something
+    is not patched."""
+    chains = [item.chain for item in report.trees if item.chain is not None]
+    if chains:
+        return next_step(chains)
+    return () if report.exit_code == ExitCode.OK or not report.trees else (f"`{report.apply_command}`",)
+
+
+def _next_lines(steps: Sequence[str]) -> list[str]:
+    """One ``next:`` line, or numbered lines when there are several steps."""
+    if len(steps) == 1:
+        return [f"next: {steps[0]}"]
+    return [f"{'next:' if i == 1 else '':<5} {i}. {step}" for i, step in enumerate(steps, 1)]
 
 
 def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
@@ -220,6 +235,7 @@ def status_json(report: StatusReport) -> dict:
         "orphaned_state": [{"state": str(o.state.root), "install": o.name, "files": [str(f) for f in o.files]}
                            for o in report.orphans],
         "leftover_temporaries": [str(p) for p in report.temporaries],
+        "next": list(status_next(report)),
     }
     for item in report.trees:
         a, tree = item.assessment, item.tree
@@ -309,9 +325,9 @@ def render_change(report: ChangeReport) -> str:
             lines.append(f"  note: {built.note}")
         if built.libcuda:
             lines.append(f"  note: {built.libcuda}")
-    following = next_step(report.chains) if report.chains else None
+    following = next_step(report.chains) if report.chains else ()
     if following and not report.dry_run:
-        lines.append(f"next: {following}")
+        lines.extend(_next_lines(following))
     return "\n".join(lines)
 
 
@@ -376,7 +392,7 @@ def change_json(report: ChangeReport) -> dict:
         "dry_run": report.dry_run,
         "target": report.target,
         "target_chosen_by": report.chosen_by or None,
-        "next": next_step(report.chains) if report.chains and not report.dry_run else None,
+        "next": list(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
         "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
         "recovered": None if report.recovery is None else {
