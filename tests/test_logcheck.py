@@ -348,7 +348,34 @@ def test_an_unknown_release_shows_what_was_seen(tmp_path):
 
 # -- reading: growing, rotated, truncated, coloured, not UTF-8, big ------------------------------------
 
-def test_follow_a_growing_rotated_file_until_the_verdict(tmp_path):
+class _Idle:
+    """logcheck's clock, with a flag raised each time the follower has read all there is and
+    waits: the writer below writes its next part only then, so what the test writes is read
+    in the order it means (before the file exists, then growing, then rotated), however slow
+    the machine is."""
+
+    def __init__(self):
+        self.waiting = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def sleep(self, seconds):
+        self.waiting.set()
+        time.sleep(seconds)
+
+    def next_part(self):
+        self.waiting.clear()
+        assert self.waiting.wait(120), "check-log stopped reading"
+        self.waiting.clear()
+        self.waiting.wait(120)  # a whole wait after the clear: the read before it saw the last part
+
+
+def test_follow_a_growing_rotated_file_until_the_verdict(tmp_path, monkeypatch):
+    import sm120patch.logcheck
+
+    idle = _Idle()
+    monkeypatch.setattr(sm120patch.logcheck, "time", idle)
     log = tmp_path / "sglang.log"
     version = "0.5.9"
     lines = [sglang_settings(version, 2, True)]
@@ -358,15 +385,15 @@ def test_follow_a_growing_rotated_file_until_the_verdict(tmp_path):
     ready = sglang_line(version, "", "The server is fired up and ready to roll!")
 
     def write():
-        time.sleep(0.5)  # the file does not exist when check-log starts
+        idle.next_part()  # the file does not exist when check-log starts
         log.write_bytes(b"\x1b[32m" + lines[0].encode() + b"\x1b[0m" + b"noise \xff\xfe not utf-8\n")
-        time.sleep(0.5)
+        idle.next_part()
         with log.open("a") as f:
             f.write(lines[1])
-        time.sleep(0.5)
+        idle.next_part()
         log.rename(tmp_path / "sglang.log.1")  # logrotate: a new file at the path
         log.write_text(lines[2])
-        time.sleep(0.5)
+        idle.next_part()
         with log.open("a") as f:
             f.write(ready)
 
