@@ -185,6 +185,8 @@ ranks)
     # into RANKS_SERVERS. Idempotent on a warm machine: what is built or has a result is kept.
     T0=$(date +%s)
     RES=/tmp/ranks-results && mkdir -p $RES
+    # .ranks-seed/ (carried): an earlier call's results; its .done nodes are not run again.
+    [ -d .ranks-seed ] && cp -rn .ranks-seed/. $RES/
     left() { echo $(( ${RANKS_BUDGET:-560} - ($(date +%s) - T0) )); }
     export FLASHINFER_CUDA_ARCH_LIST=9.0a  # the arch the modules were built for, in every rank too
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
@@ -208,39 +210,49 @@ ranks)
     wait
     for v in ${RANKS_FLASHINFER:-0.6.4}; do for e in pristine patched; do
         echo "== build $v $e: $(grep -v '^ELF file' $RES/build-$v-$e.txt | tr '\n' ' ' | cut -c1-400)"; done; done
-    for v in ${RANKS_FLASHINFER:-0.6.4}; do
-        case $v in
-            0.6.4) suites=legacy,unified,sglang-0.5.9,sglang-0.5.10,sglang-0.5.14,vllm-0.19.0 ;;
-            0.6.1[0-4]*) suites=legacy,unified,sglang-0.5.14 ;;
-            *) suites=legacy,unified,vllm-0.29.0 ;;
+    suites_of() {
+        case $1 in
+            0.6.4) echo legacy,unified,sglang-0.5.9,sglang-0.5.10,sglang-0.5.14,vllm-0.19.0 ;;
+            0.6.1[0-4]*) echo legacy,unified,sglang-0.5.14 ;;
+            *) echo legacy,unified,vllm-0.29.0 ;;
         esac
+    }
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do
         mkdir -p $RES/$v
         case $v in 0.6.1[0-4]*)
             # torch symmetric memory (FlashInfer 0.6.10-0.6.14) refuses ranks that share a device
-            # unless TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1: once as is (what it says), then the
-            # tests with it set.
-            [ -e $RES/$v/patched-no-overlap-tp2.json ] || [ "$(left)" -lt 90 ] || step env FLASHINFER_WORKSPACE_BASE=/tmp/fi-$v-patched/ws \
-                /tmp/fi-$v-patched/bin/python benchmarks/one_gpu_ranks.py run --world 2 --label patched-no-overlap \
-                --suites legacy,unified --timeout 60 --out $RES/$v/patched-no-overlap-tp2.json
-            export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 ;;
-        *) unset TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES ;;
+            # unless TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1: once without it (what it says);
+            # the tests below run with it set.
+            [ -e $RES/$v/patched-no-overlap-tp2.json ] || [ "$(left)" -lt 90 ] || step env -u TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES \
+                FLASHINFER_WORKSPACE_BASE=/tmp/fi-$v-patched/ws /tmp/fi-$v-patched/bin/python benchmarks/one_gpu_ranks.py run \
+                --world 2 --label patched-no-overlap --suites legacy,unified --timeout 60 --out $RES/$v/patched-no-overlap-tp2.json ;;
         esac
-        for node in "fused and 2" "lamport and 2" "fused and 4" "lamport and 4" "fused and 8" "lamport and 8"; do
-            tag=$(echo "$node" | tr -d ' ')
-            [ -e $RES/$v/$tag.done ] && continue
-            [ "$(left)" -gt 70 ] || { echo "skip $v $node: $(left) s left"; continue; }
-            t=$(( ($(left) - 30) / 2 )); [ $t -gt 120 ] && t=120
-            SM120PATCH_GPU_PYTHON=/tmp/fi-$v-patched/bin/python SM120PATCH_GPU_PRISTINE_PYTHON=/tmp/fi-$v-pristine/bin/python \
-            SM120PATCH_ONE_GPU_SUITES=$suites SM120PATCH_ONE_GPU_SERVERS=${RANKS_SERVERS:-$PWD/.servers} \
-            SM120PATCH_ONE_GPU_OUT=$RES/$v SM120PATCH_ONE_GPU_TIMEOUT=$t \
-                timeout $(( 2 * t + 50 )) python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q -s -rA \
-                tests/test_one_gpu.py -k "$node" > $RES/$v/pytest-$tag.txt 2>&1
-            echo "== $v $node (pytest exit $?, $(( $(date +%s) - T0 )) s): $(tail -1 $RES/$v/pytest-$tag.txt)"
-            touch $RES/$v/$tag.done
-        done
+    done
+    # One test node at a time, TP2 of every release first (RANKS_NODES: "release|node ..." instead).
+    nodes=${RANKS_NODES:-$(for n in "fused and 2" "lamport and 2" "fused and 4" "lamport and 4" "fused and 8" "lamport and 8"; do
+        for v in ${RANKS_FLASHINFER:-0.6.4}; do echo "$v|$n"; done; done)}
+    while IFS='|' read -r v node; do
+        [ -n "$v" ] || continue
+        tag=$(echo "$node" | tr -d ' ')
+        [ -e $RES/$v/$tag.done ] && continue
+        [ "$(left)" -gt 70 ] || { echo "skip $v $node: $(left) s left"; continue; }
+        cap=120; case $node in *8) cap=260;; esac  # 8 time-sliced ranks take about twice as long as 4
+        t=$(( ($(left) - 30) / 2 )); [ $t -gt $cap ] && t=$cap
+        case $v in 0.6.1[0-4]*) overlap=1 ;; *) overlap= ;; esac
+        env ${overlap:+TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1} \
+        SM120PATCH_GPU_PYTHON=/tmp/fi-$v-patched/bin/python SM120PATCH_GPU_PRISTINE_PYTHON=/tmp/fi-$v-pristine/bin/python \
+        SM120PATCH_ONE_GPU_SUITES=$(suites_of $v) SM120PATCH_ONE_GPU_SERVERS=${RANKS_SERVERS:-$PWD/.servers} \
+        SM120PATCH_ONE_GPU_OUT=$RES/$v SM120PATCH_ONE_GPU_TIMEOUT=$t \
+            timeout $(( 2 * t + 50 )) python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q -s -rA \
+            tests/test_one_gpu.py -k "$node" < /dev/null > $RES/$v/pytest-$tag.txt 2>&1
+        echo "== $v $node (pytest exit $?, $(( $(date +%s) - T0 )) s): $(tail -1 $RES/$v/pytest-$tag.txt)"
+        touch $RES/$v/$tag.done
+    done <<< "$nodes"
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do
         docs=$(for n in 2 4 8; do for e in pristine patched; do [ -e $RES/$v/$e-tp$n.json ] && echo $RES/$v/$e-tp$n.json; done; done)
         [ -z "$docs" ] || python3 benchmarks/one_gpu_ranks.py table $docs > $RES/table-$v.md 2>&1; cat $RES/table-$v.md 2>/dev/null
-        for f in $RES/$v/lamport-*.txt; do [ -e "$f" ] && { echo "== $f"; grep -v "^    rank .* flag" "$f" | tail -8; }; done
+        for f in $RES/$v/lamport-*.txt; do [ -e "$f" ] && { echo "== $f"; grep -v "^    rank .* flag" "$f" | tail -3; }; done
+        [ -e $RES/$v/patched-no-overlap-tp2.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('no-overlap:', sorted({r.get('error','') for r in d['records'] if 'error' in r})[:3])" $RES/$v/patched-no-overlap-tp2.json
     done
     tar -czf "$OUT/ranks-results.tar.gz" -C $RES .
     ;;

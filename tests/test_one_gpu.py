@@ -13,7 +13,10 @@ environments and runs these tests. The variables they read:
 - SM120PATCH_ONE_GPU_SUITES: the suites (default legacy,unified), and
   SM120PATCH_ONE_GPU_SERVERS: a directory with pristine/<suite>.py and patched/<suite>.py for
   the sglang-*/vllm-* suites (the wheel's file, and sm120patch's patched bytes).
-- SM120PATCH_ONE_GPU_OUT: where each run's JSON document is written (kept even when a test fails).
+- SM120PATCH_ONE_GPU_OUT: where each run's JSON document is written (kept even when a test fails);
+  SM120PATCH_ONE_GPU_REUSE_PRISTINE=1 compares with a pristine document already there.
+- SM120PATCH_ONE_GPU_TIMEOUT: seconds for all ranks of one run (a rank still running then is
+  killed and named).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ SUITES = os.environ.get("SM120PATCH_ONE_GPU_SUITES", "legacy,unified")
 SERVERS = os.environ.get("SM120PATCH_ONE_GPU_SERVERS")
 OUT = Path(os.environ.get("SM120PATCH_ONE_GPU_OUT", "/tmp/one-gpu-results"))
 TIMEOUT = float(os.environ.get("SM120PATCH_ONE_GPU_TIMEOUT", "150"))
+# SM120PATCH_ONE_GPU_REUSE_PRISTINE=1: a pristine document already in SM120PATCH_ONE_GPU_OUT is
+# compared with, not made again (the pristine kernels' outputs are deterministic: same inputs,
+# same sha256), when a later device call re-runs only the patched side.
+REUSE_PRISTINE = os.environ.get("SM120PATCH_ONE_GPU_REUSE_PRISTINE") == "1"
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,6 +57,8 @@ def environment(python: str) -> dict:
 def run_suites(label: str, python: str, world: int) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"{label}-tp{world}.json"
+    if label == "pristine" and REUSE_PRISTINE and out.exists():
+        return json.loads(out.read_text())  # pristine's outputs, made by an earlier call on this machine
     servers = []
     for suite in SUITES.split(","):
         if suite.startswith(("sglang-", "vllm-")):
