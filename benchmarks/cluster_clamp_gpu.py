@@ -31,18 +31,20 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import one_gpu  # noqa: E402  (the rank launcher, shared with one_gpu_ranks.py and lamport_stride_demo.py)
+
 TOLERANCE = (2.0 ** -5, 2.0 ** -5)  # bf16, as `sm120patch bench` checks: |err| <= atol + rtol * |ref|
 EPS = 1e-6
 HIDDEN = (1024, 4096, 8192, 16384)
 TOKENS = (1, 8, 16, 64, 128)
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = one_gpu.SAFE_ENV
 
 # The probe: each patched header's GetMaxClusterSize for the kernel its launcher asks about, with
 # the launcher's block size (128 for the fused and MoE launchers, kWarpSize for the custom one).
@@ -135,6 +137,18 @@ def make_inputs(tokens: int, hidden: int, rank: int, device, dtype):
     return x.to(device), residual.to(device), gamma.to(device)
 
 
+def reference(tokens: int, hidden: int, world: int, dtype):
+    """The float32 reference of one case: every rank's input (as make_inputs makes it, in
+    ``dtype``) summed in float32, the residual added, RMSNorm in float32. (norm, residual), on
+    the CPU."""
+    import torch
+
+    total = sum(make_inputs(tokens, hidden, r, "cpu", dtype)[0].float() for r in range(world))
+    _, residual, gamma = make_inputs(tokens, hidden, 0, "cpu", dtype)
+    ref_residual = total + residual.float()
+    return ref_residual * torch.rsqrt(ref_residual.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float(), ref_residual
+
+
 def digest(tensor) -> str:
     import torch
 
@@ -199,9 +213,7 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
                     with open(out_dir / f"rank{rank}.rows.jsonl", "a") as partial:
                         partial.write(json.dumps(row) + "\n")
                     continue
-                total = sum(make_inputs(tokens, hidden, r, "cpu", dtype)[0].float() for r in range(world))
-                ref_residual = total + residual.float().cpu()
-                ref_norm = ref_residual * torch.rsqrt(ref_residual.pow(2).mean(-1, keepdim=True) + EPS) * gamma.float().cpu()
+                ref_norm, ref_residual = reference(tokens, hidden, world, dtype)
                 worst = 0.0
                 for name, out, ref in (("norm", norm_out, ref_norm), ("residual", residual_out, ref_residual)):
                     out = out.float().cpu()
@@ -224,35 +236,16 @@ def worker(rank: int, world: int, out_dir: Path) -> None:
 
 
 def run(args) -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out_dir = Path(tempfile.mkdtemp(prefix=f"clamp-{args.label}-"))
-    procs = []
-    start = time.monotonic()
-    for rank in range(args.world):
-        env = dict(os.environ, **SAFE_ENV, CLAMP_RANK=str(rank), CLAMP_OUT=str(out_dir), RANK=str(rank),
-                   WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, "run", "--world", str(args.world), "--label",
-                                       args.label], env=env, stdout=log, stderr=subprocess.STDOUT))
-    hung = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            hung = True
-    if hung:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    launched = one_gpu.launch([sys.executable, __file__, "run", "--world", str(args.world), "--label", args.label],
+                              args.world, args.timeout, out_dir, env={"CLAMP_OUT": str(out_dir)})
+    hung = bool(launched["hung"])
     ranks = {}
     for rank in range(args.world):
         path = out_dir / f"rank{rank}.json"
         ranks[rank] = json.loads(path.read_text()) if path.exists() else None
-    document = {"label": args.label, "world": args.world, "hung": hung, "elapsed_s": round(time.monotonic() - start, 1),
-                "exit_codes": [p.returncode for p in procs], "tolerance": TOLERANCE,
+    document = {"label": args.label, "world": args.world, "hung": hung, "hung_ranks": launched["hung"],
+                "elapsed_s": launched["elapsed_s"], "exit_codes": launched["exit_codes"], "tolerance": TOLERANCE,
                 "flashinfer": next((r["flashinfer"] for r in ranks.values() if r), None),
                 "file": next((r["file"] for r in ranks.values() if r), None),
                 "rows": [row for r in ranks.values() if r for row in r["rows"]]}
@@ -268,7 +261,7 @@ def run(args) -> int:
     errors = sum("error" in row for row in document["rows"])
     ok = sum(bool(row.get("ok")) for row in document["rows"])
     print(f"{args.label}: world {args.world}, {len(document['rows'])} rank-cases, {ok} within tolerance, "
-          f"{errors} raised; exit codes {document['exit_codes']}{', HUNG' if hung else ''}")
+          f"{errors} raised; {one_gpu.describe(launched)}")
     for rank, tail in document.get("tails", {}).items():
         print(f"  rank {rank} wrote no result; last output:\n{tail}")
     return 0 if not missing and not hung else 1
@@ -339,8 +332,8 @@ def main() -> int:
     if args.command == "probe":
         return probe(args)
     if args.command == "run":
-        if os.environ.get("CLAMP_RANK"):
-            worker(int(os.environ["CLAMP_RANK"]), args.world, Path(os.environ["CLAMP_OUT"]))
+        if one_gpu.rank_and_world():
+            worker(one_gpu.rank_and_world()[0], args.world, Path(os.environ["CLAMP_OUT"]))
             return 0
         return run(args)
     return compare(args)

@@ -11,6 +11,8 @@
 #   bash benchmarks/h200_session.sh stub      # a GPU-less apply --build (no libcuda for the link), then its first use here
 #   bash benchmarks/h200_session.sh clamp     # the cluster clamp: the query per kernel; pristine vs patched bit-identical;
 #                                             # a test-only build whose clamp answers 1 against a float32 reference
+#   bash benchmarks/h200_session.sh ranks     # TP2/4/8 with every rank a process on this one GPU: pytest -m gpu
+#                                             # tests/test_one_gpu.py, pristine vs patched (docs/one-gpu.md)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -20,7 +22,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
 python3 -m venv /tmp/env
 python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-[ "${1:-build}" = clamp ] || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+case "${1:-build}" in clamp|ranks) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
 export PYTHONPATH=$PWD/src:/tmp/sm-deps
 P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
 step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -173,6 +175,86 @@ PY
     done
     cd "$OLDPWD"
     tar -czf "$OUT/clamp-results.tar.gz" -C $RES .
+    ;;
+ranks)
+    # Every rank a process on GPU 0 (tests/one_gpu.py). Per FlashInfer release in RANKS_FLASHINFER
+    # (wheels in .whl/), two serving environments with their own JIT cache base (<env>/ws):
+    # pristine and patched (sm120patch apply), built for 9.0a side by side; then the GPU tier's
+    # tests/test_one_gpu.py, one test node at a time while RANKS_BUDGET seconds last. The server
+    # files (pristine/ and patched/) come from `one_gpu_ranks.py servers`, run where the wheels are,
+    # into RANKS_SERVERS. Idempotent on a warm machine: what is built or has a result is kept.
+    T0=$(date +%s)
+    RES=/tmp/ranks-results && mkdir -p $RES
+    # .ranks-seed/ (carried): an earlier call's results; its .done nodes are not run again.
+    [ -d .ranks-seed ] && cp -rn .ranks-seed/. $RES/
+    left() { echo $(( ${RANKS_BUDGET:-560} - ($(date +%s) - T0) )); }
+    export FLASHINFER_CUDA_ARCH_LIST=9.0a  # the arch the modules were built for, in every rank too
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
+    nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do
+        for e in pristine patched; do
+            d=/tmp/fi-$v-$e
+            if [ ! -e $d/.ready ]; then
+                python3 -m venv $d
+                python3 -c 'import site; print(site.getsitepackages()[0])' > "$($d/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+                extra=$([ "$v" = 0.6.4 ] || ls .whl/cuda_tile-*.whl 2>/dev/null)
+                $d/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-$v-*.whl \
+                    .whl/apache_tvm_ffi-*.whl $extra
+                [ $e = pristine ] || python3 -m sm120patch apply --python $d/bin/python --jit-cache-base $d/ws
+                touch $d/.ready
+            fi
+            [ -e $d/.built ] || ( FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=$d/ws MAX_JOBS=16 \
+                $d/bin/python benchmarks/trtllm_comm_build_and_load.py > $RES/build-$v-$e.txt 2>&1 && touch $d/.built ) &
+        done
+    done
+    wait
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do for e in pristine patched; do
+        echo "== build $v $e: $(grep -v '^ELF file' $RES/build-$v-$e.txt | tr '\n' ' ' | cut -c1-400)"; done; done
+    suites_of() {
+        case $1 in
+            0.6.4) echo legacy,unified,sglang-0.5.9,sglang-0.5.10,sglang-0.5.14,vllm-0.19.0 ;;
+            0.6.1[0-4]*) echo legacy,unified,sglang-0.5.14 ;;
+            *) echo legacy,unified,vllm-0.29.0 ;;
+        esac
+    }
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do
+        mkdir -p $RES/$v
+        case $v in 0.6.1[0-4]*)
+            # torch symmetric memory (FlashInfer 0.6.10-0.6.14) refuses ranks that share a device
+            # unless TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1: once without it (what it says);
+            # the tests below run with it set.
+            [ -e $RES/$v/patched-no-overlap-tp2.json ] || [ "$(left)" -lt 90 ] || step env -u TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES \
+                FLASHINFER_WORKSPACE_BASE=/tmp/fi-$v-patched/ws /tmp/fi-$v-patched/bin/python benchmarks/one_gpu_ranks.py run \
+                --world 2 --label patched-no-overlap --suites legacy,unified --timeout 60 --out $RES/$v/patched-no-overlap-tp2.json ;;
+        esac
+    done
+    # One test node at a time, TP2 of every release first (RANKS_NODES: "release|node ..." instead).
+    nodes=${RANKS_NODES:-$(for n in "fused and 2" "lamport and 2" "fused and 4" "lamport and 4" "fused and 8" "lamport and 8"; do
+        for v in ${RANKS_FLASHINFER:-0.6.4}; do echo "$v|$n"; done; done)}
+    while IFS='|' read -r v node; do
+        [ -n "$v" ] || continue
+        tag=$(echo "$node" | tr -d ' ')
+        [ -e $RES/$v/$tag.done ] && continue
+        [ "$(left)" -gt 70 ] || { echo "skip $v $node: $(left) s left"; continue; }
+        cap=120; case $node in *8) cap=260;; esac  # 8 time-sliced ranks take about twice as long as 4
+        t=$(( ($(left) - 30) / 2 )); [ $t -gt $cap ] && t=$cap
+        case $v in 0.6.1[0-4]*) overlap=1 ;; *) overlap= ;; esac
+        env ${overlap:+TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1} \
+        SM120PATCH_GPU_PYTHON=/tmp/fi-$v-patched/bin/python SM120PATCH_GPU_PRISTINE_PYTHON=/tmp/fi-$v-pristine/bin/python \
+        SM120PATCH_ONE_GPU_SUITES=$(suites_of $v) SM120PATCH_ONE_GPU_SERVERS=${RANKS_SERVERS:-$PWD/.servers} \
+        SM120PATCH_ONE_GPU_OUT=$RES/$v SM120PATCH_ONE_GPU_TIMEOUT=$t \
+            timeout $(( 2 * t + 50 )) python3 -m pytest -m gpu --noconftest -p no:cacheprovider -q -s -rA \
+            tests/test_one_gpu.py -k "$node" < /dev/null > $RES/$v/pytest-$tag.txt 2>&1
+        echo "== $v $node (pytest exit $?, $(( $(date +%s) - T0 )) s): $(tail -1 $RES/$v/pytest-$tag.txt)"
+        touch $RES/$v/$tag.done
+    done <<< "$nodes"
+    for v in ${RANKS_FLASHINFER:-0.6.4}; do
+        docs=$(for n in 2 4 8; do for e in pristine patched; do [ -e $RES/$v/$e-tp$n.json ] && echo $RES/$v/$e-tp$n.json; done; done)
+        [ -z "$docs" ] || python3 benchmarks/one_gpu_ranks.py table $docs > $RES/table-$v.md 2>&1; cat $RES/table-$v.md 2>/dev/null
+        for f in $RES/$v/lamport-*.txt; do [ -e "$f" ] && { echo "== $f"; grep -v "^    rank .* flag" "$f" | tail -3; }; done
+        [ -e $RES/$v/patched-no-overlap-tp2.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('no-overlap:', sorted({r.get('error','') for r in d['records'] if 'error' in r})[:3])" $RES/$v/patched-no-overlap-tp2.json
+    done
+    tar -czf "$OUT/ranks-results.tar.gz" -C $RES .
     ;;
 restart)
     step sm120patch apply "${P[@]}"

@@ -13,6 +13,12 @@ process; the whole run is bounded by --timeout, a hang included):
 
     FLASHINFER_WORKSPACE_BASE=/tmp/ws python benchmarks/lamport_stride_demo.py --json out.json
 
+or with every rank on one GPU (`--one-gpu`, tests/one_gpu.py: gloo instead of NCCL, CUDA IPC
+between the processes of one device; the reference then sums every rank's input in float32 on
+the CPU), at world size 2, 4 or 8: the host and kernel strides differ at every world size
+below 16. `--rounds 1` runs the first round only (its calls use consecutive flags, so the
+three lamport sets in turn until the first error).
+
 The lamport buffer set a call uses is its barrier flag % 3. A CUDA error poisons a process's
 context, so each set gets a fresh pair of processes (one round per starting flag 1, 2, 3);
 in each round every rank makes --calls calls (consecutive flags) and compares the output with
@@ -24,10 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
+import tempfile
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import one_gpu  # noqa: E402  (the rank launcher, shared with cluster_clamp_gpu.py and one_gpu_ranks.py)
 
 TOKENS = 8  # <= 16: the lamport kernel
 HIDDEN = 4096
@@ -40,15 +48,16 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def worker(rank: int, world: int, first_flag: int, calls: int, dtype_name: str) -> None:
+def worker(rank: int, world: int, first_flag: int, calls: int, dtype_name: str, one: bool) -> None:
     import torch
     import torch.distributed as dist
 
     import flashinfer.comm as comm
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl")
+    index = 0 if one else rank
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+    dist.init_process_group("gloo" if one else "nccl")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     workspace = comm.trtllm_create_ipc_workspace_for_all_reduce(rank, world, 16, HIDDEN, group=dist.group.WORLD)
     ptrs = [torch.tensor(w, dtype=torch.int64) for w in workspace]
@@ -76,8 +85,13 @@ def worker(rank: int, world: int, first_flag: int, calls: int, dtype_name: str) 
             record["error"] = first_line(exc)
             print("RESULT " + json.dumps(record), flush=True)
             return
-        summed = x.clone()
-        dist.all_reduce(summed)
+        if one:  # gloo: every rank's input, summed in float32 on the CPU
+            summed = x.float().cpu()
+            dist.all_reduce(summed)
+            summed = summed.to(device)
+        else:
+            summed = x.clone()
+            dist.all_reduce(summed)
         added = (summed.float() + residual.float()).view(TOKENS, HIDDEN)
         ref = added * torch.rsqrt(added.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
         err = (out.float().view(TOKENS, HIDDEN) - ref).abs()
@@ -91,33 +105,19 @@ def worker(rank: int, world: int, first_flag: int, calls: int, dtype_name: str) 
 
 
 def run_round(args, first_flag: int) -> dict:
-    """One pair of processes starting at ``first_flag``, bounded by --timeout."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
+    """One set of processes starting at ``first_flag``, bounded by --timeout."""
+    log_dir = Path(tempfile.mkdtemp(prefix=f"lamport-demo-{first_flag}-"))
+    launched = one_gpu.launch([sys.executable, __file__, *sys.argv[1:]], args.world, args.timeout, log_dir,
+                              env={"LAMPORT_DEMO_FLAG": str(first_flag)}, visible="0" if args.one_gpu else None)
+    records = []
     for rank in range(args.world):
-        env = dict(os.environ, LAMPORT_DEMO_RANK=str(rank), LAMPORT_DEMO_FLAG=str(first_flag), RANK=str(rank),
-                   WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    start, hung = time.monotonic(), False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            hung = True
-    if hung:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-    records, tails = [], {}
-    for rank, proc in enumerate(procs):
-        text = proc.stdout.read()
+        text = (log_dir / f"rank{rank}.log").read_text(errors="replace")
         records += [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
-        tails[rank] = [line for line in text.splitlines() if line.strip() and not line.startswith("RESULT ")][-3:]
-    return {"first_flag": first_flag, "hung": hung, "elapsed_s": round(time.monotonic() - start, 1),
-            "exit_codes": [p.returncode for p in procs], "records": records, "tails": tails}
+    tails = {rank: [line for line in lines if not line.startswith("RESULT ")][-3:]
+             for rank, lines in launched["tails"].items()}
+    return {"first_flag": first_flag, "hung": bool(launched["hung"]), "hung_ranks": launched["hung"],
+            "elapsed_s": launched["elapsed_s"], "exit_codes": launched["exit_codes"], "records": records,
+            "tails": tails}
 
 
 def main() -> int:
@@ -127,16 +127,19 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per round")
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--one-gpu", action="store_true", help="every rank a process on GPU 0 (gloo, CUDA IPC)")
+    parser.add_argument("--rounds", type=int, choices=(1, 2, 3), default=3, help="starting flags 1, 2, 3 (the first N)")
     args = parser.parse_args()
-    if os.environ.get("LAMPORT_DEMO_RANK"):
-        worker(int(os.environ["LAMPORT_DEMO_RANK"]), args.world, int(os.environ["LAMPORT_DEMO_FLAG"]), args.calls,
-               args.dtype)
+    if one_gpu.rank_and_world():
+        worker(one_gpu.rank_and_world()[0], args.world, int(os.environ["LAMPORT_DEMO_FLAG"]), args.calls,
+               args.dtype, args.one_gpu)
         return 0
     import flashinfer
 
     print(f"flashinfer {flashinfer.__version__}, world size {args.world}, {TOKENS} tokens x {HIDDEN}, {args.dtype}, "
-          "RESIDUAL_RMS_NORM + ONESHOT (the lamport kernel); one pair of processes per starting lamport set")
-    rounds = [run_round(args, first_flag) for first_flag in (1, 2, 3)]
+          "RESIDUAL_RMS_NORM + ONESHOT (the lamport kernel); one set of processes per starting lamport set"
+          + (", every rank on GPU 0" if args.one_gpu else ""))
+    rounds = [run_round(args, first_flag) for first_flag in (1, 2, 3)[:args.rounds]]
     correct = total = 0
     for rnd in rounds:
         print(f"round starting at flag {rnd['first_flag']} (lamport set {rnd['first_flag'] % 3}):")
@@ -151,12 +154,13 @@ def main() -> int:
                   f"mean |out| = {r['out_abs_mean']:.4g} (reference {r['ref_abs_mean']:.4g})"
                   + ("" if r["finite"] else ", non-finite values"))
         for rank, code in enumerate(rnd["exit_codes"]):
-            state = f"killed after {args.timeout:.0f} s (hung)" if rnd["hung"] and code in (None, -9) else f"exit code {code}"
-            print(f"    rank {rank}: {state}" + (f"; last output: {' | '.join(rnd['tails'][rank])}" if code else ""))
+            state = f"killed after {args.timeout:.0f} s (hung)" if rank in rnd["hung_ranks"] else f"exit code {code}"
+            print(f"    rank {rank}: {state}" + (f"; last output: {' | '.join(rnd['tails'][rank])}" if code != 0 else ""))
     print(f"{correct} of {args.world * args.calls * len(rounds)} rank-calls correct ({total} completed or raised)")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"flashinfer": flashinfer.__version__, "world": args.world, "dtype": args.dtype,
+                       "one_gpu": args.one_gpu, "calls": args.calls, "correct": correct,
                        "tokens": TOKENS, "hidden": HIDDEN, "rounds": rounds}, handle, indent=2)
     return 0
 

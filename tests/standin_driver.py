@@ -124,6 +124,50 @@ def install(*, devices: int = 2, multicast: bool = False, stop_at: str | None = 
     torch.cuda.get_device_capability = lambda device=None: (12, 0)
     _load_cudart()
 
+def map_devices_to_zero() -> None:
+    """Every rank a process on GPU 0 (tests/one_gpu.py): FlashInfer's unified workspace takes its
+    device index from the rank (``SymmDeviceMemory(..., device_idx=rank)``), so in rank 3's
+    process it would ask for a GPU 3 that one lent GPU does not have. After ``install(real=True)``
+    (multicast absent, every cuMulticast* refused before the driver), each call FlashInfer and
+    the servers make with a device index is sent to the real function with index 0: the driver's
+    cuDeviceGet and cuDeviceGetAttribute, the runtime's cudaSetDevice, NVML's handle by index,
+    and the ``location.id`` of the allocation properties and access descriptors of cuMemCreate,
+    cuMemGetAllocationGranularity and cuMemSetAccess. Test-only: nothing of it is in sm120patch.
+    Each mapped call is recorded in CALLS with the index it was given (``cuDeviceGet(3->0)``)."""
+    from cuda.bindings import driver, runtime
+
+    def mapped(module, name, fix):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            args, given = fix(*args)
+            CALLS.append(f"{name}({given}->0)")
+            return real(*args, **kwargs)
+        call.__name__ = name
+        setattr(module, name, call)
+
+    def location_of(prop):
+        given = int(prop.location.id)
+        prop.location.id = 0
+        return given
+
+    def access(ptr, size, descs, count):
+        given = [location_of(d) for d in (descs if isinstance(descs, (list, tuple)) else [descs])]
+        return (ptr, size, descs, count), ",".join(map(str, given))
+
+    mapped(driver, "cuDeviceGet", lambda ordinal: ((0,), int(ordinal)))
+    mapped(driver, "cuDeviceGetAttribute", lambda which, device: ((which, 0), int(device)))
+    mapped(driver, "cuMemCreate", lambda size, prop, flags: ((size, prop, flags), location_of(prop)))
+    mapped(driver, "cuMemGetAllocationGranularity", lambda prop, option: ((prop, option), location_of(prop)))
+    mapped(driver, "cuMemSetAccess", access)
+    mapped(runtime, "cudaSetDevice", lambda device: ((0,), int(device)))
+    try:
+        import pynvml
+    except ImportError:  # FlashInfer imports it (nvidia-ml-py); a process without it asks NVML nothing
+        return
+    mapped(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: ((0,), int(index)))
+
+
 def stop_at_runtime_allocations() -> None:
     """Past the driver, the two other ways FlashInfer allocates a workspace: CUDA IPC buffers
     through the runtime (its ``cuda_ipc.cudart.cudaMalloc``) and torch symmetric memory
@@ -142,7 +186,8 @@ def stop_at_runtime_allocations() -> None:
     symm_mem.empty = stop("torch symmetric memory")
 
 
-def load_plain_functions(path: str, name: str, log: list, names: dict | None = None) -> types.ModuleType:
+def load_plain_functions(path: str, name: str, log: list, names: dict | None = None, *,
+                         whole: bool = False) -> types.ModuleType:
     """A module ``name`` (in sys.modules) holding the functions and classes of the Python file at
     ``path``, as written (those without decorators, or only contextlib's), and its module-level
     literals (``_workspace = None``): a server's
@@ -151,14 +196,21 @@ def load_plain_functions(path: str, name: str, log: list, names: dict | None = N
     use are given: the driver binding (with the stand-in in it), the real ``flashinfer.comm``
     where it imports, SGLang's ``envs`` with no SGLANG_* variable set, and then ``names`` (after
     the file's own literals, which they may replace); what they log (vLLM's ``*_once`` calls
-    too) is appended to ``log``."""
+    too) is appended to ``log``.
+
+    ``whole``: also what a fused call through the module needs, as the file has it: functions
+    under ``register_custom_op`` (the decorator only registers a torch op; the function is
+    kept as written), the ``if is_flashinfer_available():`` block that binds FlashInfer's comm
+    package at import (run as written, with ``names`` given before it runs), and module-level
+    instances of the file's own classes (``_workspace_manager = FlashInferWorkspaceManager()``).
+    tests/one_gpu.py uses it to run SGLang's fused layer on a GPU."""
     import ast
     import contextlib
     import inspect
     import logging
     import platform
     import random
-    from typing import Optional
+    from typing import Any, Dict, List, Optional, Tuple, Union
 
     import torch
     import torch.distributed as dist
@@ -187,13 +239,30 @@ def load_plain_functions(path: str, name: str, log: list, names: dict | None = N
     tree = ast.parse(open(path).read())
     literal = (ast.Constant, ast.Dict, ast.List)
     plain_decorators = {"contextlib.contextmanager", "contextmanager"}
-    body = ast.Module([n for n in tree.body
-                       if (isinstance(n, (ast.FunctionDef, ast.ClassDef))
-                           and all(ast.unparse(d) in plain_decorators for d in n.decorator_list))
-                       or (isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, literal)
-                           and not getattr(n.value, "keys", getattr(n.value, "elts", None)))], [])
+    if whole:
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                node.decorator_list = [d for d in node.decorator_list
+                                       if not ast.unparse(d).startswith("register_custom_op(")]
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def kept(n) -> bool:
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            return all(ast.unparse(d) in plain_decorators for d in n.decorator_list)
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, literal):
+            return not getattr(n.value, "keys", getattr(n.value, "elts", None))
+        if whole and isinstance(n, ast.If):
+            return ast.unparse(n.test) == "is_flashinfer_available()"
+        if whole and isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            return isinstance(n.value.func, ast.Name) and n.value.func.id in classes
+        return False
+
+    body = ast.Module([n for n in tree.body if kept(n)], [])
     module = types.ModuleType(name)
-    module.__dict__.update(envs=Unset(), torch=torch, dist=dist, logger=logger, Optional=Optional,
+    # The typing names and ProcessGroup: signatures written with them are evaluated when the
+    # file's classes and functions are defined (Python < 3.14).
+    module.__dict__.update(envs=Unset(), torch=torch, dist=dist, logger=logger, Optional=Optional, Tuple=Tuple,
+                           List=List, Dict=Dict, Any=Any, Union=Union, ProcessGroup=dist.ProcessGroup,
                            contextlib=contextlib, inspect=inspect, platform=platform, os=os, random=random,
                            get_cuda_driver_bindings=lambda: driver, ceil_align=lambda x, y: (x + y - 1) // y * y)
     try:
@@ -203,6 +272,8 @@ def load_plain_functions(path: str, name: str, log: list, names: dict | None = N
         pass
     else:
         module.__dict__.update(flashinfer_comm=flashinfer_comm, TorchDistBackend=TorchDistBackend)
+    if whole:  # the import-time block and the class instances run now and need them
+        module.__dict__.update(names or {})
     exec(compile(body, path, "exec"), module.__dict__)
     module.__dict__.update(names or {})
     sys.modules[name] = module
