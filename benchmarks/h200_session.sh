@@ -238,7 +238,9 @@ ranks)
         [ "$(left)" -gt 70 ] || { echo "skip $v $node: $(left) s left"; continue; }
         cap=120; case $node in *8) cap=260;; esac  # 8 time-sliced ranks take about twice as long as 4
         t=$(( ($(left) - 30) / 2 )); [ $t -gt $cap ] && t=$cap
-        case $v in 0.6.1[0-4]*) overlap=1 ;; *) overlap= ;; esac
+        # 0.6.10 and later allocate the legacy workspace through torch symmetric memory too (0.6.16.post4's
+        # trtllm_ar.py: _alloc_symm_buffer_bytes), so every such release needs the switch on one GPU.
+        case $v in 0.6.[1-9][0-9]*) overlap=1 ;; *) overlap= ;; esac
         env ${overlap:+TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1} \
         SM120PATCH_GPU_PYTHON=/tmp/fi-$v-patched/bin/python SM120PATCH_GPU_PRISTINE_PYTHON=/tmp/fi-$v-pristine/bin/python \
         SM120PATCH_ONE_GPU_SUITES=$(suites_of $v) SM120PATCH_ONE_GPU_SERVERS=${RANKS_SERVERS:-$PWD/.servers} \
