@@ -10,6 +10,7 @@ from sm120patch.chain import Chain, StepResult, next_step
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
 from sm120patch.words import counted
+from sm120patch.words import spec_words as _spec_words
 
 if TYPE_CHECKING:  # each command's own module is imported by that command
     from sm120patch.bench import BenchReport
@@ -449,13 +450,6 @@ def diff_note(report: ChangeReport, diff: str) -> str | None:
 
 def _ranges(versions) -> str:
     return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
-
-
-def _spec_words(versions) -> str:
-    """'>=0.10.0,<0.11.1' -> 'from 0.10.0, before 0.11.1' (the list's column)."""
-    words = {">=": "from", ">": "after", "<": "before", "<=": "up to", "==": ""}
-    parts = sorted(versions, key=lambda s: s.operator not in (">=", ">"))
-    return ", ".join(f"{words.get(s.operator, s.operator)} {s.version}".strip() for s in parts)
 
 
 def _installed_line(distribution, installed: dict) -> str:

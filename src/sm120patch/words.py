@@ -1,4 +1,4 @@
-"""Words for counts, for every report: "1 file", "2 files", never "file(s)"."""
+"""Words for every report: counts ("1 file", "2 files", never "file(s)") and version ranges."""
 
 from __future__ import annotations
 
@@ -6,3 +6,10 @@ from __future__ import annotations
 def counted(n: int, word: str, plural: str | None = None) -> str:
     """``n`` and ``word`` in the right number (``plural`` where adding "s" is wrong)."""
     return f"{n} {word}" if n == 1 else f"{n} {plural or word + 's'}"
+
+
+def spec_words(versions) -> str:
+    """'>=0.10.0,<0.11.1' -> 'from 0.10.0, before 0.11.1' (the list's column, bench's flag words)."""
+    words = {">=": "from", ">": "after", "<": "before", "<=": "up to", "==": ""}
+    parts = sorted(versions, key=lambda s: s.operator not in (">=", ">"))
+    return ", ".join(f"{words.get(s.operator, s.operator)} {s.version}".strip() for s in parts)

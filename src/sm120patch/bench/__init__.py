@@ -24,6 +24,7 @@ from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, f
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
 from sm120patch.errors import UsageError
+from sm120patch.words import spec_words
 
 __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Case", "Recommendation", "Series",
            "TargetInfo", "_classify", "_sglang_flag", "bench", "failure", "follow", "parse_int_list", "preflight",
@@ -63,11 +64,9 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
 
 def _sglang_flag(registry, status) -> str:
     """The installed SGLang's own fusion option; without SGLang, each release range's."""
-    from sm120patch.render import _spec_words
-
     sglang = registry.get("sglang")
     installed = next((t for t in status.trees if t.distribution.name == sglang.name), None)
     flag = installed and sglang.fusion_flag(installed.tree.version)
     if flag:
         return flag
-    return "fusion (SGLang " + "; ".join(f"{_spec_words(f.versions)}: {f.flag}" for f in sglang.fusion_flags) + ")"
+    return "fusion (SGLang " + "; ".join(f"{spec_words(f.versions)}: {f.flag}" for f in sglang.fusion_flags) + ")"
