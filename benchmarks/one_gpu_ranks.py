@@ -395,7 +395,7 @@ def servers(args) -> int:
     from packaging.version import Version
 
     from sm120patch.distributions import load_registry
-    from sm120patch.rewriters import apply_edits
+    from sm120patch.edits import apply_edits
     from sm120patch.wheels import fetch_wheel
 
     registry = load_registry()

@@ -21,7 +21,7 @@ from packaging.version import Version
 import standin_driver
 from helpers import COMMUNICATOR, FLASHINFER_FILES, ServingEnv, Session, make_venv, need, run_cli
 from sm120patch.distributions import load_registry
-from sm120patch.rewriters import apply_edits
+from sm120patch.edits import apply_edits
 from sm120patch.wheels import fetch_wheel
 
 TESTS = Path(__file__).parent

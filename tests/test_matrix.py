@@ -18,7 +18,7 @@ from sm120patch.errors import ExitCode
 from sm120patch.distributions import load_registry
 from sm120patch.hashing import sha256
 from sm120patch.manifests import combination_key, load_manifest
-from sm120patch.rewriters import apply_edits
+from sm120patch.edits import apply_edits
 from sm120patch.semantics import CHECKS, unbound_names
 from sm120patch.wheels import fetch_wheel
 

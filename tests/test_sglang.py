@@ -21,7 +21,7 @@ from helpers import FLASHINFER_VERSION, ServingEnv, Session, changed, make_venv,
 from sm120patch import bench, pipeline
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode
-from sm120patch.rewriters import apply_edits
+from sm120patch.edits import apply_edits
 from sm120patch.semantics import evaluate
 from sm120patch.wheels import fetch_wheel
 

@@ -80,7 +80,7 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
     """The manifest document for ``wheel`` (a real upstream wheel) under ``patch_set``."""
     from packaging.utils import parse_wheel_filename  # slow import (packaging.tags): only here
 
-    from sm120patch.rewriters import apply_edits
+    from sm120patch.edits import apply_edits
     from sm120patch.wheels import check_release, damaged, read_wheel
 
     name, version, _, _ = parse_wheel_filename(wheel.name)

@@ -16,6 +16,8 @@ from packaging.version import InvalidVersion, Version
 
 from sm120patch.data import toml
 from sm120patch.errors import PatchDataError, UsageError
+from sm120patch.rewriters import create
+from sm120patch.semantics import CHECKS
 
 
 def normalize_relpath(relpath: str) -> str:
@@ -146,8 +148,6 @@ def _edits(raw: Mapping, where: str, check_rewriters: bool) -> tuple[Edit, ...]:
         edit = Edit(rewriter=_require(raw_edit, "rewriter", str, where), sites=sites,
                     params=dict(_require(raw_edit, "params", dict, where)))
         if check_rewriters:
-            from sm120patch.rewriters import create
-
             create(edit.rewriter, edit.params)
         edits.append(edit)
     if not edits:
@@ -159,8 +159,6 @@ def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = Tr
     """Read and validate one patch-set file of ``distribution``. With ``check_rewriters`` (the
     default) each edit's rewriter is constructed, which validates its name and parameters;
     ``status`` skips that to stay fast (it never runs a rewriter)."""
-    from sm120patch.semantics import CHECKS
-
     where = f"{distribution}/{path.name}"
     doc = read_toml(path, where)
     patches = []

@@ -16,7 +16,7 @@ from sm120patch.errors import PatchDataError, RefusedError
 from sm120patch.hashing import sha256
 from sm120patch.manifests import combination_key
 from sm120patch.patchsets import Patch
-from sm120patch.rewriters import apply_edits
+from sm120patch.edits import apply_edits
 from sm120patch.state import Ledger, LedgerFile
 
 def text_diff(before: bytes, after: bytes, before_label: str, after_label: str) -> str:

@@ -95,19 +95,6 @@ def register(cls: type[Rewriter]) -> type[Rewriter]:
     return cls
 
 
-def create(name: str, params: Mapping[str, Any]) -> Rewriter:
-    """Instantiate a registered rewriter by name (patch sets refer to rewriters this way)."""
-    from sm120patch.rewriters import load_all
-
-    load_all()
-    try:
-        cls = REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(REGISTRY))
-        raise PatchDataError(f"unknown rewriter {name!r} (known: {known})") from None
-    return cls(**params)
-
-
 def decode(data: bytes, rewriter: str) -> str | NoMatch:
     try:
         return data.decode("utf-8")

@@ -1,14 +1,14 @@
-"""A file's bytes through the edits of its patches, each by its named rewriter."""
+"""A file's bytes through the edits of its patches, each by its named rewriter. This is where the
+patch-set format meets the rewriters: the rewriters are handed an edit's parameters and its site
+count, and never see a patch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from sm120patch.errors import PatchDataError, RefusedError
-from sm120patch.rewriters.base import AlreadyApplied, Changed, create
-
-if TYPE_CHECKING:  # patch sets are data above the rewriters; only their type is named here
-    from sm120patch.patchsets import Patch
+from sm120patch.patchsets import Patch
+from sm120patch.rewriters import AlreadyApplied, Changed, create
 
 
 def apply_edits(data: bytes, patches: Sequence[Patch], *, where: str, by_meaning: bool = False) -> bytes:
