@@ -15,7 +15,7 @@ from sm120patch.distributions import load_registry
 from sm120patch.environment import InstalledDistribution, parse_record_hash, record_rows, resolve_python, start_probe
 from sm120patch.errors import TargetError
 from sm120patch.patchsets import normalize_relpath
-from sm120patch.trees import InstalledTree
+from sm120patch.installed import InstalledTree
 
 REGISTRY = load_registry(full=False)
 

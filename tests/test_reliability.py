@@ -23,7 +23,7 @@ import pytest
 from helpers import FLASHINFER_FILES, ROOT, changed, make_venv, need, run_cli, snapshot
 from sm120patch.environment import Environment, InstalledDistribution, start_probe
 from sm120patch.errors import ExitCode
-from sm120patch.trees import InstalledTree
+from sm120patch.installed import InstalledTree
 from sm120patch.wheels import fetch_wheel
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
@@ -301,8 +301,8 @@ def test_an_install_in_the_base_of_a_system_site_packages_venv_is_named_as_share
     from sm120patch.distributions import load_registry
 
     tree = InstalledTree(shared, dist, load_registry(full=False).get("flashinfer-python"))
-    assert "--system-site-packages: a change there is a change for every environment on that base" in tree.shared_with
-    assert InstalledTree(own, dist, tree.distribution).shared_with is None
+    assert "--system-site-packages: a change there is a change for every environment on that base" in tree.words.shared_with
+    assert InstalledTree(own, dist, tree.distribution).words.shared_with is None
 
 
 def test_the_sweeps_and_exit_codes_are_documented():

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
     from sm120patch.distributions import Distribution
     from sm120patch.driver import DriverFacts
     from sm120patch.environment import InstalledDistribution
-    from sm120patch.jitcache import AotShadow
-    from sm120patch.reports import JitStatus
+    from sm120patch.jitcache import AotShadow, JitStatus
 
 STEPS = ("device", "kernel-gates", "server-gates", "requested", "workspace", "jit", "tp")
 SM120_MAJOR = 12  # compute capability 12.x: RTX PRO 6000 Blackwell, RTX 5090 (and DGX Spark's 12.1)

@@ -1,5 +1,8 @@
-"""Writing a plan into a git checkout: one reviewable commit on a branch of its own
-(gitpython), never an edit of the user's branch; and undoing it.
+"""A git checkout of a project, as a tree, and writing a plan into it: one reviewable commit on a
+branch of its own (gitpython), never an edit of the user's branch; and undoing it.
+
+The wheel's paths map onto the repository's layout (data), and the vendor manifest gives the
+release's hash of each file; HEAD is judged by each patch's semantic check.
 
 The commit message lists every patch with its upstream reference and the first release that
 fixes it (DEP-3-like trailers), and whether the checkout's files were the release's bytes.
@@ -9,17 +12,161 @@ sm120patch's own note of what it did is ``.git/sm120patch.json``: never part of 
 from __future__ import annotations
 
 import json
+import re
 import shlex
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
+
+from packaging.version import Version
 
 from sm120patch import __version__
-from sm120patch.errors import RefusedError
+from sm120patch.distributions import Distribution, Registry
+from sm120patch.environment import version_or_none
+from sm120patch.errors import RefusedError, TargetError
 from sm120patch.invocation import command
+from sm120patch.locks import flock
+from sm120patch.manifests import load_manifest
 from sm120patch.patchsets import Patch, PatchSet
-from sm120patch.plan import Plan
-from sm120patch.trees import CheckoutTree
+from sm120patch.plan import Plan, Writes
+from sm120patch.trees import FileRead, TreeWords, read_or_none
+
+
+class CheckoutTree:
+    judged_by_meaning = True  # HEAD is not a release's bytes: each patch's semantic check says
+    dist_info = None
+
+    def __init__(self, root: Path, distribution: Distribution, raw_version: str, repo,
+                 pristine: Mapping[str, str] | None = None) -> None:
+        self.root = root
+        self.distribution = distribution
+        self.raw_version = raw_version
+        self.repo = repo  # git.Repo
+        self.pristine = dict(pristine or {})  # relpath -> the release's sha256, from the manifest
+
+    # -- the tree's files (trees.Tree) ---------------------------------------------------------
+
+    @property
+    def version(self) -> Version | None:
+        return version_or_none(self.raw_version)
+
+    @property
+    def words(self) -> TreeWords:
+        label = f"{self.distribution.name} {self.raw_version} checkout at {self.root}"
+        return TreeWords(kind="checkout", label=label, heading=label, where="",  # the heading names the checkout
+                         reinstall_hint=f"`git checkout -- {self.root}` restores the checkout's files",
+                         present="in HEAD", absent="not in HEAD")
+
+    def repo_path(self, relpath: str) -> str:
+        mapped = self.distribution.checkout.repo_path(relpath) if self.distribution.checkout else None
+        if mapped is None:
+            raise TargetError(f"{relpath} has no place in a {self.distribution.name} checkout")
+        return mapped
+
+    def release_sha256(self, relpath: str) -> str | None:
+        return self.pristine.get(relpath)
+
+    def read(self, relpath: str) -> FileRead:
+        path = self.root / self.repo_path(relpath)
+        return FileRead(relpath, path, read_or_none(path))
+
+    def read_ledger(self) -> None:
+        return None  # the commit is the record
+
+    def saved_original(self, relpath: str, expected: str | None) -> None:
+        return None
+
+    def release_bytes(self, relpath: str, expected: str, *, wheel_dir: Path | None, download: bool) -> None:
+        return None
+
+    # -- what the commands ask of a checkout (write.Worktree) --------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.repo.git_dir) / "sm120patch.json"  # inside .git: never part of the tree
+
+    def branch(self) -> str | None:
+        """sm120patch's branch here, from its note (None: it made none)."""
+        note = read_note(self)
+        return note["branch"] if note else None
+
+    def lock(self, on_wait: Callable[[str], None] | None) -> AbstractContextManager:
+        return flock(Path(self.repo.git_dir), what="checkout", timeout=None, on_wait=on_wait,
+                     busy=f"another sm120patch is changing {self.root}", hint="run again when it has finished")
+
+    def refuse_unwritable(self, plan: Plan) -> None:
+        if plan.files:
+            refuse_dirty(self)
+
+    def write(self, plan: Plan, writes: Writes) -> Commit | None:
+        """One commit on a branch of its own, made now; undone when the transaction fails."""
+        if not plan.files:
+            return None
+        commit = commit_plan(self, plan)
+        writes.undo.append(lambda: revert_checkout(self))
+        return commit
+
+    def revert_by_record(self) -> Undo:
+        """Back to the user's branch: the commit is the record of what sm120patch did."""
+        return revert_checkout(self)
+
+    def pending(self, revert_command: str) -> tuple[None, bool]:
+        return None, False  # a commit is made or not: nothing is left half done
+
+    def pin_mismatch(self) -> None:
+        return None
+
+    def jit_status(self, jit_base: str | None, sources: list[Path]) -> None:
+        return None  # no server loads a checkout's JIT cache entries as such
+
+    def aot_shadows(self) -> list:
+        return []
+
+
+def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
+    """Detect which project a checkout holds (its layout's markers) and its version
+    (the layout's version file, else the newest release tag reachable from HEAD)."""
+    import git  # gitpython is slow to import: only when a checkout is named
+
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise TargetError(f"--source {path}: no such directory")
+    if not root.is_dir():
+        raise TargetError(f"--source {path}: not a directory")
+    try:
+        repo = git.Repo(root.resolve())
+    except git.InvalidGitRepositoryError:
+        raise TargetError(f"--source {path}: not a git checkout (no .git here)") from None
+    except git.NoSuchPathError:
+        raise TargetError(f"--source {path}: no such directory") from None
+    root = Path(repo.working_tree_dir)
+    for distribution in registry:
+        layout = distribution.checkout
+        if layout is None or not layout.matches(root):
+            continue
+        version = None
+        if layout.version_file and (root / layout.version_file).exists():
+            version = (root / layout.version_file).read_text().strip()
+        version = version or _describe(repo)
+        if not version:
+            raise TargetError(f"--source {path}: cannot tell the {distribution.name} version "
+                              f"(no {layout.version_file or 'version file'}, no release tag)")
+        manifest = load_manifest(distribution.name, version)
+        pristine = {rel: hashes.pristine for rel, hashes in manifest.files.items()} if manifest else {}
+        return CheckoutTree(root, distribution, version, repo, pristine)
+    names = ", ".join(d.name for d in registry if d.checkout)
+    raise TargetError(f"--source {path}: a git checkout, but of none of {names}")
+
+
+def _describe(repo) -> str | None:
+    import git
+
+    try:
+        tag = repo.git.describe("--tags", "--abbrev=0")
+    except git.GitCommandError:
+        return None
+    return re.sub(r"^v", "", tag.strip())
 
 
 def branch_name(tree: CheckoutTree) -> str:

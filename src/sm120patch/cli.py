@@ -558,10 +558,10 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
 def export(source, out):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
-    from sm120patch import checkout, distributions, render, trees
+    from sm120patch import checkout, distributions, render
     from sm120patch.reports import ExportReport
 
-    tree = trees.open_checkout(source, distributions.load_registry(full=False))
+    tree = checkout.open_checkout(source, distributions.load_registry(full=False))
     return show(ExportReport(checkout.export(tree, Path(out))), False, render.render_export)
 
 

@@ -19,7 +19,7 @@ import pwd
 import re
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
 from sm120patch.state import Owner
@@ -37,6 +37,36 @@ class CacheBase(NamedTuple):
     @property
     def cache_dir(self) -> Path:
         return self.path / ".cache" / "flashinfer"
+
+
+class JitStatus(NamedTuple):
+    """The module's JIT cache entries of one release, in the cache base the server reads."""
+
+    base: CacheBase
+    entries: list[Path]
+    stale: list[Path]
+    foreign: Mapping[Path, Path]  # entry -> a source of another environment
+    asides: list[Path]
+    # Entries without the module's library: a build that did not finish (build.ninja, .d and
+    # object files). FlashInfer's next start builds the rest; nothing loads one as it is.
+    incomplete: Sequence[Path] = ()
+
+
+def status(version: str, module: str, base: CacheBase, site_dir: Path, sources: list[Path]) -> JitStatus:
+    """The entries of ``module`` built for release ``version`` in ``base``, judged against the
+    install at ``site_dir`` whose ``sources`` they were built from."""
+    found = entries(version, base.path, module)
+    foreign = {}
+    for entry in found:
+        other = foreign_entry(entry, site_dir)
+        if other is not None:
+            foreign[entry] = other
+    # An entry built from another environment's files is that environment's: its age says
+    # nothing against this environment's sources (installed or patched later, say), so it is
+    # reported as foreign, never as stale here.
+    stale = [e for e in found if e not in foreign and is_stale(e, sources)]
+    return JitStatus(base, found, stale=stale, foreign=foreign, asides=asides(version, base.path, module),
+                     incomplete=[e for e in found if not is_built(e, module)])
 
 
 def cache_base(override: str | os.PathLike | None = None, *, owner: Owner | None = None) -> CacheBase:

@@ -30,7 +30,12 @@ from sm120patch.locks import install_locks
 from sm120patch.reports import ChangeReport, JitStatus, Left, Result, StatusReport, TreeStatus
 from sm120patch.state import Owner, orphans, state_root, temporaries
 from sm120patch.transaction import recover
-from sm120patch.trees import CheckoutTree, InstalledTree, Tree, open_checkout
+from sm120patch.checkout import CheckoutTree, open_checkout
+from sm120patch.fileops import prune
+from sm120patch.installed import InstalledTree
+from sm120patch.journal import leftover_runs
+from sm120patch.plan import plan_apply, plan_revert
+from sm120patch.write import Worktree, WriteTarget, preview, write
 
 __all__ = ["ChangeReport", "JitStatus", "Left", "Request", "Result", "StatusReport", "TreeStatus",
            "apply", "build", "diff", "locate", "revert", "status"]
@@ -71,7 +76,7 @@ def normalize_selector(option: str, value: str) -> str:
 @dataclass
 class Located:
     env: Environment | None
-    trees: list[Tree] = field(default_factory=list)  # in registry order
+    trees: list[Worktree] = field(default_factory=list)  # in registry order
     routed: list[tuple[str, Path]] = field(default_factory=list)  # editable installs, to their checkouts
     jit_base: str | None = None  # --jit-cache-base as given: commands suggested for this target keep it
     # The same trees as locate made them: the installs share the environment's locks, journal,
@@ -165,7 +170,7 @@ def _no_version(env: Environment, dist) -> RefusedError:
                         "Version: field (a damaged install)", hint=hint)
 
 
-def _check_version(tree: Tree, wanted: str, request: Request, *, python: str | None = None) -> None:
+def _check_version(tree: Worktree, wanted: str, request: Request, *, python: str | None = None) -> None:
     if wanted == ANY:
         return
     try:
@@ -219,7 +224,7 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
         by_meaning = {}
         if shown is not None and (tree.judged_by_meaning or a.patch_set is None) and not (a.not_needed or a.not_covered):
             by_meaning = {p.id: present_by_meaning(tree, p) for p in shown.patches}
-        jit = tree.jit_status(request.jit_base, a)
+        jit = tree.jit_status(request.jit_base, [fa.path for fa in a.files.values()])
         aot += tree.aot_shadows()
         branch, branch_error = None, None
         try:
@@ -263,7 +268,7 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     return judged
 
 
-def _fusion_with(located: Located, tree: Tree):
+def _fusion_with(located: Located, tree: Worktree):
     """The installed distribution ``tree``'s fusion depends on (None: none, or not a known one)."""
     other = tree.distribution.fusion_with
     return located.env.get(other) if other and located.env is not None else None
@@ -319,9 +324,6 @@ def _no_set(a: Assessment) -> RefusedError:
 
 
 def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
-    from sm120patch.plan import plan_apply
-    from sm120patch.write import preview, write
-
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees and (request.dry_run or not located.orphans()):
@@ -340,7 +342,7 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
             a = _assess(tree, force_unknown=request.force)
             if a.patch_set is None:
                 if a.nothing_needed:
-                    report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
+                    report.results.append(Result(a.name, a.raw_version, tree.words.label, tree.words.kind, message=a.reason))
                     continue
                 raise _no_set(a)
             ids = [i for i in request.with_ids if any(p.id == i for p in a.patch_set.patches)]
@@ -352,9 +354,9 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
             report.results.append(_planned(plan))
         report.aot = _aot(located)
         if request.dry_run:
-            preview(report, located, plans, request, operation="apply")
+            preview(report, _write_target(located, request), plans, operation="apply")
             return report
-        write(report, located, plans, request, operation="apply")
+        write(report, _write_target(located, request), plans, operation="apply")
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
             # A build takes minutes: a signal may end it, even after the commit point. Once it
@@ -400,6 +402,11 @@ def build(request: Request, registry: Registry | None = None) -> ChangeReport:
     return report
 
 
+def _write_target(located: Located, request: Request) -> WriteTarget:
+    return WriteTarget(located.installed, located.state_dirs, located.command("revert --force"),
+                       jit_base=request.jit_base, on_wait=request.on_wait)
+
+
 def _build(located: Located, request: Request) -> list:
     from sm120patch import jitbuild
 
@@ -416,9 +423,6 @@ def _build(located: Located, request: Request) -> list:
 
 
 def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
-    from sm120patch.plan import plan_revert
-    from sm120patch.write import preview, write
-
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
@@ -439,13 +443,13 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
         for tree in located.trees:
             undo = tree.revert_by_record()
             if undo is not None:
-                report.results.append(Result(tree.distribution.name, tree.raw_version, tree.label, tree.kind,
+                report.results.append(Result(tree.distribution.name, tree.raw_version, tree.words.label, tree.words.kind,
                                              undo=undo))
                 continue
             try:
                 a = _assess(tree)
                 if a.patch_set is None and not a.unknown:  # (a ledger's files are reverted without a set)
-                    report.results.append(Result(a.name, a.raw_version, tree.label, tree.kind, message=a.reason))
+                    report.results.append(Result(a.name, a.raw_version, tree.words.label, tree.words.kind, message=a.reason))
                     continue
                 plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=not request.dry_run)
             except RefusedError as exc:
@@ -455,9 +459,9 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
             report.results.append(_planned(plan))
         report.aot = _aot(located)
         if request.dry_run:
-            preview(report, located, plans, request, operation="revert")
+            preview(report, _write_target(located, request), plans, operation="revert")
             return report
-        write(report, located, plans, request, operation="revert")
+        write(report, _write_target(located, request), plans, operation="revert")
     return report
 
 
@@ -465,9 +469,6 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     """Finish the cleanup of a run killed after its commit point: its stash, and the JIT
     entries it had moved aside (they carry its run id)."""
     import shutil
-
-    from sm120patch.fileops import prune
-    from sm120patch.journal import leftover_runs
 
     runs = {run for site_dir in located.state_dirs for run in leftover_runs(site_dir)}
     for site_dir in located.state_dirs:  # temporaries and empty directories a killed run left
@@ -503,7 +504,7 @@ def _refuse_pending(located: Located) -> None:
                                hint=f"`{located.command('apply')}` rolls it back first")
 
 
-def _assess(tree: Tree, *, force_unknown: bool = False) -> Assessment:
+def _assess(tree: Worktree, *, force_unknown: bool = False) -> Assessment:
     return assess(tree, tree.distribution, ledger=tree.read_ledger(), force_unknown=force_unknown)
 
 
@@ -514,8 +515,10 @@ def _aot(located: Located) -> list[jitcache.AotShadow]:
 def _planned(plan) -> Result:
     """A plan's result, with each file's path as a diff names it (the tree says where from)."""
     a = plan.assessment
-    return Result(a.name, a.raw_version, a.tree.label, a.tree.kind, plan,
-                  diff_paths={p.relpath: a.tree.diff_path(p.relpath) for p in plan.files})
+    # A diff is written from the tree's root: site-packages (`patch -p1` there), or the
+    # repository's root (`git apply` there).
+    return Result(a.name, a.raw_version, a.tree.words.label, a.tree.words.kind, plan,
+                  diff_paths={p.relpath: p.path.relative_to(a.tree.root).as_posix() for p in plan.files})
 
 
 # -- diff ----------------------------------------------------------------------------------------

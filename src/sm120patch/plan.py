@@ -6,6 +6,7 @@ dry run)."""
 from __future__ import annotations
 
 import difflib
+import shlex
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,6 +19,7 @@ from sm120patch.manifests import combination_key
 from sm120patch.patchsets import Patch
 from sm120patch.edits import apply_edits
 from sm120patch.state import Ledger, LedgerFile
+from sm120patch.trees import Tree
 
 def text_diff(before: bytes, after: bytes, before_label: str, after_label: str) -> str:
     return "".join(difflib.unified_diff(
@@ -61,8 +63,17 @@ class Plan:
         return not self.files and not self.ledger_changes
 
 
+class Writes:
+    """One write step, gathered from every tree: the plans that join the one transaction
+    (installs), and how to undo what was committed already (checkouts) when it fails."""
+
+    def __init__(self) -> None:
+        self.transaction: list[tuple[Tree, Plan]] = []
+        self.undo: list[Callable[[], object]] = []
+
+
 def _reinstall_hint(assessment: Assessment) -> str:
-    return assessment.tree.reinstall_hint
+    return assessment.tree.words.reinstall_hint
 
 
 def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release: Callable[[str, str], tuple[bytes, str] | None],
@@ -86,7 +97,8 @@ def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release
 
 
 def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
-    uv = assessment.tree.copy_reinstall_command(f"{assessment.name}=={assessment.raw_version}") or ""
+    prefix = assessment.tree.words.copy_reinstall
+    uv = shlex.join([*prefix, f"{assessment.name}=={assessment.raw_version}"]) if prefix else ""
     state = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(

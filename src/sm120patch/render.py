@@ -30,7 +30,8 @@ def _patch_word(item: TreeStatus, patch) -> str:
     a = item.assessment
     state = a.patch_state(patch) if a.patch_set is not None else State.PRISTINE
     if item.tree.judged_by_meaning or a.patch_set is None:
-        return item.tree.presence_word(item.by_meaning.get(patch.id, state is State.APPLIED))
+        words = item.tree.words
+        return words.present if item.by_meaning.get(patch.id, state is State.APPLIED) else words.absent
     word = state.value
     fa = item.assessment.files.get(patch.file)
     if state is State.APPLIED and fa is not None and patch.id in fa.former:
@@ -127,9 +128,10 @@ def render_status(report: StatusReport) -> str:
     for item in report.trees:
         a, tree, distribution = item.assessment, item.tree, item.distribution
         lines.append("")
-        lines.append(f"{tree.heading}: {a.verdict.value}{tree.where}")
-        if tree.shared_with:
-            lines.append(f"  ! installed in {tree.shared_with}")
+        words = tree.words
+        lines.append(f"{words.heading}: {a.verdict.value}{words.where}")
+        if words.shared_with:
+            lines.append(f"  ! installed in {words.shared_with}")
         if item.routed_from is not None:
             lines.append(f"  editable install of {item.routed_from}: `apply` patches that checkout as a commit")
         shown = a.patch_set or (distribution.closest_set(tree.version) if item.by_meaning else None)
@@ -243,7 +245,7 @@ def status_json(report: StatusReport) -> dict:
         entry = {
             "name": a.name,
             "version": a.raw_version,
-            "kind": tree.kind,
+            "kind": tree.words.kind,
             "location": str(tree.root),
             "dist_info": str(tree.dist_info) if tree.dist_info is not None else None,
             "editable_checkout": str(item.routed_from) if item.routed_from else None,
@@ -335,8 +337,8 @@ def render_change(report: ChangeReport) -> str:
 def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
     lines = _changed_lines(report, result, verb)
     tree = result.plan.assessment.tree if result.plan is not None else None
-    if tree is not None and tree.shared_with and result.plan.files:
-        lines.append(f"  note: {result.name} is installed in {tree.shared_with}")
+    if tree is not None and tree.words.shared_with and result.plan.files:
+        lines.append(f"  note: {result.name} is installed in {tree.words.shared_with}")
     return lines
 
 

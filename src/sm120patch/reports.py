@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from sm120patch import jitcache
+from sm120patch.jitcache import JitStatus
 from sm120patch.assess import Assessment, status_exit_code
 from sm120patch.distributions import Advice, Distribution
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError
@@ -23,17 +24,6 @@ if TYPE_CHECKING:
 
 
 # -- status ----------------------------------------------------------------------------------------
-
-class JitStatus(NamedTuple):
-    base: jitcache.CacheBase
-    entries: list[Path]
-    stale: list[Path]
-    foreign: Mapping[Path, Path]  # entry -> a source of another environment
-    asides: list[Path]
-    # Entries without the module's library: a build that did not finish (build.ninja, .d and
-    # object files). FlashInfer's next start builds the rest; nothing loads one as it is.
-    incomplete: Sequence[Path] = ()
-
 
 class TreeStatus(NamedTuple):
     assessment: Assessment

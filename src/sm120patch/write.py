@@ -8,33 +8,58 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from sm120patch import jitcache
+from sm120patch.checkout import Commit, Undo
 from sm120patch.fileops import check_writable
 from sm120patch.hashing import sha256
+from sm120patch.installed import InstalledTree
+from sm120patch.jitcache import AotShadow, JitStatus
+from sm120patch.plan import Plan, Writes
 from sm120patch.reports import ChangeReport
 from sm120patch.state import Owner, orphans, state_root
 from sm120patch.transaction import Change, Transaction
-from sm120patch.trees import InstalledTree, Writes
-
-if TYPE_CHECKING:
-    from sm120patch.pipeline import Located, Request
-    from sm120patch.plan import Plan
+from sm120patch.trees import Tree
 
 
-def write(report: ChangeReport, located: Located, plans: list[Plan], request: Request, *, operation: str) -> None:
+class Worktree(Tree, Protocol):
+    """A tree as the commands act on it: its files (trees.Tree), and what each kind answers for
+    itself (installed.InstalledTree, checkout.CheckoutTree), so that nothing above asks which kind
+    it holds. Writing: an install joins the one transaction, a checkout commits on a branch."""
+
+    def write(self, plan: Plan, writes: Writes) -> Commit | None: ...
+    def refuse_unwritable(self, plan: Plan) -> None: ...
+    def revert_by_record(self) -> Undo | None: ...
+    def branch(self) -> str | None: ...
+    def pending(self, revert_command: str) -> tuple[str | None, bool]: ...
+    def pin_mismatch(self) -> str | None: ...
+    def jit_status(self, jit_base: str | None, sources: list[Path]) -> JitStatus | None: ...
+    def aot_shadows(self) -> list[AotShadow]: ...
+
+
+class WriteTarget(NamedTuple):
+    """What the write step is told of the run's target."""
+
+    installed: Sequence[InstalledTree]  # the installs (one transaction, one JIT cache base)
+    state_dirs: Sequence[Path]  # the install locations whose sm120patch state this run may clean
+    revert_command: str  # the command that rolls an interrupted run back, for this target
+    jit_base: str | None = None  # --jit-cache-base
+    on_wait: Callable[[str], None] | None = None  # told when a lock makes the run wait
+
+
+def write(report: ChangeReport, target: WriteTarget, plans: list[Plan], *, operation: str) -> None:
     writes = Writes()
     for plan in plans:
         commit = plan.assessment.tree.write(plan, writes)
         if commit is not None:
             next(r for r in report.results if r.plan is plan).commit = commit
-    if not located.state_dirs:
+    if not target.state_dirs:
         return
     try:
         with ExitStack() as locks:
             roots, owners = [], {}
-            for site_dir in located.state_dirs:  # the installs' locations (or, none installed, the orphans')
+            for site_dir in target.state_dirs:  # the installs' locations (or, none installed, the orphans')
                 root = state_root(site_dir)
                 if root not in roots:
                     roots.append(root)
@@ -42,11 +67,11 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
             # Stale JIT entries first: moved aside before any source changes, so no server
             # can load an entry built from sources that are about to change.
             changes, jit_locks = [], []
-            for tree in located.installed:
-                changes += _jit_changes(tree, plans, request, report, jit_locks, roots[0])
+            for tree in target.installed:
+                changes += _jit_changes(tree, plans, target, report, jit_locks, roots[0])
             for tree, plan in writes.transaction:
                 changes += install_changes(tree, plan, operation)
-            changes += _orphan_changes(located, report)
+            changes += _orphan_changes(target, report)
             if not changes:
                 return
             # The pre-flight before any lock is taken: taking FlashInfer's lock may create its
@@ -56,35 +81,35 @@ def write(report: ChangeReport, located: Located, plans: list[Plan], request: Re
             for lock in jit_locks:
                 locks.enter_context(lock())
             Transaction(operation, roots, owners, changes,
-                        revert_command=located.command("revert --force")).run_all()
+                        revert_command=target.revert_command).run_all()
     except BaseException:
         for undo in writes.undo:
             undo()
         raise
 
 
-def preview(report: ChangeReport, located: Located, plans: list[Plan], request: Request, *, operation: str) -> None:
+def preview(report: ChangeReport, target: WriteTarget, plans: list[Plan], *, operation: str) -> None:
     """A dry run of :func:`write` for the installs: the same changes (the JIT entries it would
     move aside land in ``report.jit_removed``) and the same pre-flight, so a dry run refuses
     what the real run would refuse (exit 4 for want of permission). Nothing is written, no lock
     is taken, and a checkout gets no branch."""
-    if not located.state_dirs:
+    if not target.state_dirs:
         return
-    root = state_root(located.state_dirs[0])
+    root = state_root(target.state_dirs[0])
     changes = []
-    for tree in located.installed:
-        changes += _jit_changes(tree, plans, request, report, [], root)
+    for tree in target.installed:
+        changes += _jit_changes(tree, plans, target, report, [], root)
     for plan in plans:
-        if plan.assessment.tree in located.installed:
+        if plan.assessment.tree in target.installed:
             changes += install_changes(plan.assessment.tree, plan, operation)
     check_writable([change.path for change in changes])
 
 
-def _orphan_changes(located: Located, report: ChangeReport) -> list[Change]:
+def _orphan_changes(target: WriteTarget, report: ChangeReport) -> list[Change]:
     """The state of installs that are gone (uninstalled, or another version now), removed in the
     same transaction: a full revert then leaves no .sm120patch/ behind."""
     changes = []
-    for site_dir in located.state_dirs:
+    for site_dir in target.state_dirs:
         for orphan in orphans(site_dir):
             report.orphans_removed.append(orphan)
             changes += [Change("remove", path, state_root(site_dir), label=f"state of {orphan.name}")
@@ -133,7 +158,7 @@ def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Cha
     return changes
 
 
-def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, report: ChangeReport,
+def _jit_changes(tree: InstalledTree, plans: list[Plan], target: WriteTarget, report: ChangeReport,
                  locks: list, root: Path) -> list[Change]:
     """Move aside the module's entries of this version (jitcache says which), under its lock
     (added to ``locks``, to be taken once the pre-flight has passed)."""
@@ -141,7 +166,7 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
     plan = next((p for p in plans if p.assessment.tree is tree), None)
     if not module or plan is None:
         return []
-    base = jitcache.cache_base(request.jit_base, owner=tree.owner)
+    base = jitcache.cache_base(target.jit_base, owner=tree.owner)
     report.jit_base = base
     report.jit_sources_changed = report.jit_sources_changed or bool(plan.files)
     changes = jitcache.move_aside(tree.raw_version, base.path, module,
@@ -151,6 +176,6 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], request: Request, repor
         return []
     entries = [change.path for change in changes]
     owner = Owner.of(base.path)
-    locks.append(lambda: jitcache.module_locks(entries, module, owner=owner, on_wait=request.on_wait))
+    locks.append(lambda: jitcache.module_locks(entries, module, owner=owner, on_wait=target.on_wait))
     report.jit_removed += entries
     return changes
