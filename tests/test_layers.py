@@ -165,3 +165,31 @@ def test_the_tree_interface_is_about_files_and_imports_nothing_above_it():
     members -= set(vars(Protocol))
     assert len(members) <= 12, sorted(members)
     assert {"read", "release_sha256", "release_bytes", "saved_original", "read_ledger"} <= members
+
+
+def _layer_map() -> list[tuple[str, list[str]]]:
+    """The README's layer map: one line per layer, top to bottom, its name then its modules."""
+    text = (SRC.parents[1] / "README.md").read_text()
+    block = text[text.index("each imports only its own and the layers below it"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    layers = []
+    for line in block.splitlines():
+        name, _, modules = line.partition("  ")
+        layers.append((name.strip(), modules.split()))
+    return layers
+
+
+def test_the_readme_layer_map_is_the_import_graph():
+    """Every module is on the map once, and no module imports one on a higher line."""
+    layers = _layer_map()
+    where = {}
+    for index, (_, modules) in enumerate(layers):
+        for module in modules:
+            assert module not in where, f"{module} is on the map twice"
+            where[module] = index
+    names = {m.removeprefix("sm120patch.") for m in GRAPH}
+    assert set(where) == names, f"not on the map: {sorted(names - set(where))}; not a module: {sorted(set(where) - names)}"
+    upward = [(m, t) for m, targets in GRAPH.items() for t in targets
+              if where[t.removeprefix("sm120patch.")] < where[m.removeprefix("sm120patch.")]]
+    assert not upward, f"imports from a lower layer up: {upward}"

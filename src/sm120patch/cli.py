@@ -1,7 +1,12 @@
 """Command line: parse, call one function, render. Nothing else.
 
 Every expected failure is one line (``sm120patch: error: ...``), sometimes a ``hint:`` line
-that works when copied as printed, and the exit code each command's help lists."""
+that works when copied as printed, and the exit code each command's help lists.
+
+Each command imports the modules it runs inside its own function: this is the one place in
+sm120patch that imports its own modules lazily, so that `status` (the command run most, by
+people and by Ansible) never pays for `bench`, `releases`, `verify` or `logcheck`; every module
+below imports at its top (tests/test_layers.py)."""
 
 from __future__ import annotations
 
