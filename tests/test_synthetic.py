@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import changed, tree_snapshot
-from sm120patch import pipeline
+from sm120patch import changes, pipeline
 from sm120patch.assess import Verdict
 from sm120patch.distributions import load_registry
 from sm120patch.errors import ExitCode, RefusedError, UsageError
@@ -62,13 +62,13 @@ def test_apply_status_revert_round_trip(toy):
     entry = toy.home / ".cache" / "flashinfer" / "1.0" / "120a" / "cached_ops" / "toy_comm"
     entry.mkdir(parents=True)
     (entry / "toy_comm.so").write_bytes(b"\x7fELF")
-    applied = pipeline.apply(toy.request(), toy.registry)
+    applied = changes.apply(toy.request(), toy.registry)
     assert applied.exit_code == ExitCode.OK and applied.jit_removed == [entry] and not entry.exists()
     assert "[9, 10, 12]" in (toy.site / "toyfuse" / "comm.py").read_text()
     assert pipeline.status(toy.request(), toy.registry).exit_code == ExitCode.OK
-    again = pipeline.apply(toy.request(), toy.registry)
+    again = changes.apply(toy.request(), toy.registry)
     assert not again.changed
-    reverted = pipeline.revert(toy.request(), toy.registry)
+    reverted = changes.revert(toy.request(), toy.registry)
     assert reverted.exit_code == ExitCode.OK
     shutil.rmtree(toy.home / ".cache")  # the seeded entry went, as it should; FlashInfer's lock dir too
     assert changed(before, toy.snapshot()) == []
@@ -76,7 +76,7 @@ def test_apply_status_revert_round_trip(toy):
 
 def test_dry_run_changes_nothing_and_plans_the_diff(toy):
     before = toy.snapshot()
-    report = pipeline.apply(toy.request(dry_run=True), toy.registry)
+    report = changes.apply(toy.request(dry_run=True), toy.registry)
     (result,) = report.results
     assert "+        supported_major_versions=[9, 10, 12]," in result.plan.files[0].diff("toyfuse/comm.py")
     assert changed(before, toy.snapshot()) == []
@@ -87,18 +87,18 @@ def test_a_hand_edit_is_drift_refused_then_forced_and_reverted(toy):
     comm.write_text("# tuned\n" + SOURCE)
     before = toy.snapshot()
     with pytest.raises(RefusedError, match="is not the 1.0 release's bytes"):
-        pipeline.apply(toy.request(), toy.registry)
+        changes.apply(toy.request(), toy.registry)
     assert changed(before, toy.snapshot()) == []
     assert re.search(r"jit-gate +drifted", render_status(pipeline.status(toy.request(), toy.registry)))
-    forced = pipeline.apply(toy.request(force=True), toy.registry)
+    forced = changes.apply(toy.request(force=True), toy.registry)
     assert forced.exit_code == ExitCode.OK
     assert comm.read_text().startswith("# tuned\n") and "[9, 10, 12]" in comm.read_text()
     # --force wants the release's bytes, and nothing here has them (no wheel): said, not done.
-    left = pipeline.revert(toy.request(force=True), toy.registry)
+    left = changes.revert(toy.request(force=True), toy.registry)
     assert left.exit_code == ExitCode.REFUSED and "pass --wheel-dir" in left.left[0].error.hint
     assert "[9, 10, 12]" in comm.read_text()
     # Plain revert puts back what sm120patch replaced: the hand edit.
-    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
     assert changed(before, toy.snapshot()) == []
 
 
@@ -113,7 +113,7 @@ def test_an_unknown_release_is_refused_with_the_nearest(toy):
     metadata.write_text(metadata.read_text().replace("Version: 1.0", "Version: 1.0.5"))
     (toy.site / "toyfuse-1.0.dist-info").rename(toy.site / "toyfuse-1.0.5.dist-info")
     with pytest.raises(RefusedError, match="no patch set is pinned to toyfuse 1.0.5"):
-        pipeline.apply(toy.request(), toy.registry)
+        changes.apply(toy.request(), toy.registry)
 
 
 def test_fixed_upstream_is_told_from_data(toy):
@@ -124,10 +124,10 @@ def test_fixed_upstream_is_told_from_data(toy):
 
 
 def test_a_second_apply_touches_nothing(toy):
-    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
     comm = toy.site / "toyfuse" / "comm.py"
     before, mtime = toy.snapshot(), comm.stat().st_mtime_ns
-    again = pipeline.apply(toy.request(), toy.registry)
+    again = changes.apply(toy.request(), toy.registry)
     assert again.exit_code == ExitCode.OK and not again.changed
     assert "nothing to change (already patched)" in render_change(again)
     assert changed(before, toy.snapshot()) == [] and comm.stat().st_mtime_ns == mtime
@@ -140,25 +140,25 @@ def test_a_forced_apply_still_needs_every_site(toy):
     comm.write_text(SOURCE.replace("supported_major_versions", "majors"))
     before = toy.snapshot()
     with pytest.raises(RefusedError, match=r"expected 1 site "):
-        pipeline.apply(toy.request(force=True), toy.registry)
+        changes.apply(toy.request(force=True), toy.registry)
     assert changed(before, toy.snapshot()) == []
 
 
 def test_a_file_edited_after_patching_is_not_reverted_unless_forced(toy):
-    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
     comm = toy.site / "toyfuse" / "comm.py"
     comm.write_text(comm.read_text() + "# local tweak\n")
     wheels = toy.home.parent / "wheels"
     wheels.mkdir()
     make_wheel(wheels, "1.0")  # where the release's bytes come from
     before = toy.snapshot()
-    refused = pipeline.revert(toy.request(wheel_dir=wheels), toy.registry)
+    refused = changes.revert(toy.request(wheel_dir=wheels), toy.registry)
     assert refused.exit_code == ExitCode.REFUSED
     (left,) = refused.left
     assert (left.name, left.version) == ("toyfuse", "1.0")
     assert "+# local tweak" in left.error.hint  # the drift, as a diff against the release
     assert changed(before, toy.snapshot()) == []
-    forced = pipeline.revert(toy.request(force=True, wheel_dir=wheels), toy.registry)
+    forced = changes.revert(toy.request(force=True, wheel_dir=wheels), toy.registry)
     assert forced.exit_code == ExitCode.OK
     assert comm.read_text() == SOURCE and not (toy.site / ".sm120patch").exists()
 
@@ -166,19 +166,19 @@ def test_a_file_edited_after_patching_is_not_reverted_unless_forced(toy):
 def test_a_patched_file_keeps_its_mode(toy):
     comm = toy.site / "toyfuse" / "comm.py"
     comm.chmod(0o640)
-    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
     assert comm.stat().st_mode & 0o777 == 0o640
-    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
     assert comm.stat().st_mode & 0o777 == 0o640
 
 
 def test_a_reinstall_that_dropped_the_patches_is_reported_and_cleared(toy):
-    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
     (toy.site / "toyfuse" / "comm.py").write_text(SOURCE)  # what pip install --force-reinstall leaves
     report = pipeline.status(toy.request(), toy.registry)
     assert report.exit_code == ExitCode.NOT_OK
     assert ("jit-gate had been applied; the files are the release's again (the package was reinstalled)"
             in render_status(report))
-    assert pipeline.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
-    assert pipeline.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.apply(toy.request(), toy.registry).exit_code == ExitCode.OK
+    assert changes.revert(toy.request(), toy.registry).exit_code == ExitCode.OK
     assert (toy.site / "toyfuse" / "comm.py").read_text() == SOURCE

@@ -15,9 +15,8 @@ import json
 import re
 import shlex
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from packaging.version import Version
 
@@ -29,8 +28,10 @@ from sm120patch.invocation import command
 from sm120patch.locks import flock
 from sm120patch.manifests import load_manifest
 from sm120patch.patchsets import Patch, PatchSet
-from sm120patch.plan import Plan, Writes
 from sm120patch.trees import FileRead, TreeWords, read_or_none
+
+if TYPE_CHECKING:  # a plan is only handed in: status, which opens checkouts, never plans
+    from sm120patch.plan import Plan, Writes
 
 
 class CheckoutTree:
@@ -193,8 +194,7 @@ def commit_message(tree: CheckoutTree, patch_set: PatchSet, patches: Sequence[Pa
     return "\n".join(lines) + "\n"
 
 
-@dataclass(frozen=True)
-class Commit:
+class Commit(NamedTuple):
     branch: str
     sha: str
     files: tuple[str, ...]  # repository paths
@@ -242,8 +242,7 @@ def read_note(tree: CheckoutTree) -> dict | None:
                            hint="delete it, and sm120patch's branch if there is one, by hand") from None
 
 
-@dataclass(frozen=True)
-class Undo:
+class Undo(NamedTuple):
     message: str
     changed: bool
 

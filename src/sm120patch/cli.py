@@ -338,11 +338,11 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
     """Apply the patch set pinned to each installed release (or to a checkout, as one commit on
     the branch sm120patch/<dist>-<version>). Required patches always, opt-in ones with --with.
     One run is one transaction: everything or nothing. Re-applying changes nothing."""
-    from sm120patch import pipeline, render
+    from sm120patch import changes, render
     from sm120patch.progress import BuildProgress
 
     with BuildProgress(quiet=as_json) as progress:
-        report = pipeline.apply(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
+        report = changes.apply(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
                                              wheel_dir=wheel_dir, with_ids=with_ids, force=force, dry_run=dry_run,
                                              build=build_, arch=arch, on_build_step=progress, **selectors))
     return show(report, as_json, render.render_change, render.change_json)
@@ -364,11 +364,11 @@ def build(python, arch, jit_cache_base, as_json):
     the JIT cache the server reads (--jit-cache-base, else as `status` says), for the GPUs
     FlashInfer sees (or FLASHINFER_CUDA_ARCH_LIST, or --arch), using every core. A fresh process
     then proves that FlashInfer will load it without compiling."""
-    from sm120patch import pipeline, render
+    from sm120patch import changes, render
     from sm120patch.progress import BuildProgress
 
     with BuildProgress(quiet=as_json) as progress:
-        report = pipeline.build(request_from(python=python, jit_cache_base=jit_cache_base, arch=arch,
+        report = changes.build(request_from(python=python, jit_cache_base=jit_cache_base, arch=arch,
                                              on_build_step=progress))
     return show(report, as_json, render.render_change, render.change_json)
 
@@ -395,9 +395,9 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
     """Restore what sm120patch replaced (the release's bytes), each checked against the installed
     RECORD: from the saved original, else from the release wheel. A hand-made patch is reverted
     too. With --source: back to the original branch."""
-    from sm120patch import pipeline, render
+    from sm120patch import changes, render
 
-    report = pipeline.revert(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
+    report = changes.revert(request_from(python=python, source=source, jit_cache_base=jit_cache_base,
                                           wheel_dir=wheel_dir, force=force, dry_run=dry_run, **selectors))
     return show(report, as_json, render.render_change, render.change_json)
 
@@ -416,9 +416,9 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
 def diff(with_ids, python, source, force, **selectors):
     """Print the unified diff apply would make, with paths from the package root (site-packages)
     or the checkout's root: `patch -p1` and `git apply` accept it there. Changes nothing."""
-    from sm120patch import pipeline, render
+    from sm120patch import changes, render
 
-    report = pipeline.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
+    report = changes.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
     return show(report, False, render.render_diff, note=render.diff_note, nl=False)
 
 

@@ -4,11 +4,22 @@ count, and never see a patch."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from sm120patch.errors import PatchDataError, RefusedError
-from sm120patch.patchsets import Patch
-from sm120patch.rewriters import AlreadyApplied, Changed, create
+from sm120patch.patchsets import Edit, Patch
+from sm120patch.rewriters import AlreadyApplied, Changed, RewriteResult, create
+
+
+def edit_steps(data: bytes, patches: Sequence[Patch]) -> Iterator[tuple[Patch, Edit, RewriteResult, bytes]]:
+    """Each edit of ``patches`` run in turn, on the bytes the edits before it made:
+    (patch, edit, its result, the bytes after it)."""
+    for patch in patches:
+        for edit in patch.edits:
+            result = create(edit.rewriter, edit.params).rewrite(data, sites=edit.sites)
+            if isinstance(result, Changed):
+                data = result.data
+            yield patch, edit, result, data
 
 
 def apply_edits(data: bytes, patches: Sequence[Patch], *, where: str, by_meaning: bool = False) -> bytes:
@@ -16,16 +27,11 @@ def apply_edits(data: bytes, patches: Sequence[Patch], *, where: str, by_meaning
     pristine for all of them, anything else is inconsistent patch data. ``by_meaning`` (--force,
     unpinned releases, source trees): edits already present are skipped, and a rewriter that
     finds another site count refuses the file; exact site counts hold either way."""
-    for patch in patches:
-        for edit in patch.edits:
-            result = create(edit.rewriter, edit.params).rewrite(data, sites=edit.sites)
-            if isinstance(result, Changed):
-                data = result.data
-            elif by_meaning and isinstance(result, AlreadyApplied):
-                continue
-            elif by_meaning:
-                raise RefusedError(f"--force: cannot apply {patch.id} to {where}: {result.reason}")
-            else:
-                detail = getattr(result, "reason", "already applied in the pristine file")
-                raise PatchDataError(f"{where}: patch {patch.id} ({edit.rewriter}): {detail}")
+    for patch, edit, result, data in edit_steps(data, patches):
+        if isinstance(result, Changed) or (by_meaning and isinstance(result, AlreadyApplied)):
+            continue
+        if by_meaning:
+            raise RefusedError(f"--force: cannot apply {patch.id} to {where}: {result.reason}")
+        detail = getattr(result, "reason", "already applied in the pristine file")
+        raise PatchDataError(f"{where}: patch {patch.id} ({edit.rewriter}): {detail}")
     return data

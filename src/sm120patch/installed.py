@@ -6,8 +6,8 @@ the originals and the ledger. Its plans join the one transaction over every inst
 from __future__ import annotations
 
 import os
-import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
@@ -20,9 +20,11 @@ from sm120patch.jitcache import AotShadow, JitStatus
 from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import someone_holds
 from sm120patch.patchsets import normalize_relpath
-from sm120patch.plan import Plan, Writes
 from sm120patch.state import InstallState, Ledger, Owner
 from sm120patch.trees import FileRead, TreeWords, read_or_none
+
+if TYPE_CHECKING:  # a plan is only handed in: status, which makes installs, never plans
+    from sm120patch.plan import Plan, Writes
 
 
 class InstalledTree:

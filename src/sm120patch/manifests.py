@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
 from sm120patch.data import data_dir
+from sm120patch.edits import apply_edits
 from sm120patch.errors import PatchDataError
 from sm120patch.hashing import sha256
 from sm120patch.patchsets import Patch, PatchSet
+from sm120patch.wheels import check_release, damaged, read_wheel
 
 FORMAT = 1
 
@@ -79,9 +81,6 @@ def load_manifest(distribution: str, version: str, root: Path | None = None) -> 
 def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
     """The manifest document for ``wheel`` (a real upstream wheel) under ``patch_set``."""
     from packaging.utils import parse_wheel_filename  # slow import (packaging.tags): only here
-
-    from sm120patch.edits import apply_edits
-    from sm120patch.wheels import check_release, damaged, read_wheel
 
     name, version, _, _ = parse_wheel_filename(wheel.name)
     if name != patch_set.distribution or version not in patch_set.versions:

@@ -30,13 +30,16 @@ from typing import Callable, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import manifests, semantics
+from sm120patch import manifests, semantics, wheels
 from sm120patch.data import data_is_packaged
 from sm120patch.distributions import Distribution, load_registry
+from sm120patch.edits import edit_steps
 from sm120patch.errors import PatchDataError, RefusedError, Sm120PatchError, UsageError
+from sm120patch.fileops import atomic_write
 from sm120patch.hashing import sha256
 from sm120patch.patchsets import PatchSet, parse_patch_set
 from sm120patch.plan import text_diff
+from sm120patch.rewriters import Changed
 from sm120patch.words import counted
 
 # Where --newer asks which releases exist (PyPI's JSON API; a mirror that serves it can stand in).
@@ -120,8 +123,6 @@ def with_versions(text: str, versions: Sequence[Version], where: str) -> str:
 
 
 def _atomic_write(path: Path, data: str) -> None:
-    from sm120patch.fileops import atomic_write
-
     atomic_write(path, data.encode("utf-8"))
 
 
@@ -129,8 +130,6 @@ def build_all(wheel_cache: Path | None, out: Path | None, *, check: bool,
               progress=None, names: Sequence[str] = ()) -> list[tuple[Path, bool]]:
     """Every pinned release's manifest from its real wheel (downloaded once into the cache):
     written (or, ``check``, compared with the committed one). Returns (path, identical)."""
-    from sm120patch import wheels
-
     cache = wheel_cache or wheels.default_cache()
     results = []
     registry = load_registry()
@@ -169,8 +168,6 @@ def candidates(distribution: Distribution, version: Version) -> list[PatchSet]:
 
 def _try(patch_set: PatchSet, archive, record: dict) -> tuple[Attempt, dict[str, tuple[bytes, bytes]]]:
     """Whether ``patch_set`` fits the wheel's files exactly: (attempt, relpath -> (pristine, patched))."""
-    from sm120patch.rewriters import Changed, create
-
     attempt, results = Attempt(patch_set), {}
     names = set(record)
     for relpath in patch_set.files:
@@ -185,14 +182,11 @@ def _try(patch_set: PatchSet, archive, record: dict) -> tuple[Attempt, dict[str,
             attempt.problems.append(f"{relpath} does not match the wheel's RECORD")
             continue
         data = pristine
-        for patch in patch_set.patches_for(relpath):
-            for edit in patch.edits:
-                result = create(edit.rewriter, edit.params).rewrite(data, sites=edit.sites)
-                if isinstance(result, Changed):
-                    data = result.data
-                else:
-                    reason = getattr(result, "reason", f"all {counted(edit.sites, 'site')} already patched in the release's bytes")
-                    attempt.problems.append(f"{patch.id} ({edit.rewriter}) in {relpath}: {reason}")
+        # Every edit is tried, so that the review lists every problem, not only the first.
+        for patch, edit, result, data in edit_steps(pristine, patch_set.patches_for(relpath)):
+            if not isinstance(result, Changed):
+                reason = getattr(result, "reason", f"all {counted(edit.sites, 'site')} already patched in the release's bytes")
+                attempt.problems.append(f"{patch.id} ({edit.rewriter}) in {relpath}: {reason}")
         for patch in patch_set.patches_for(relpath):
             before, why_before = semantics.evaluate(patch.check, pristine)
             after, why = semantics.evaluate(patch.check, data)
@@ -225,8 +219,6 @@ def _fits_its_file(patch_set: PatchSet, version: Version, distribution: Distribu
 def add(name: str, raw_version: str, *, wheel: Path | None = None, check: bool = False,
         wheel_cache: Path | None = None) -> Addition:
     """Support ``name`` ``raw_version``: see the module's docstring. ``check``: write nothing."""
-    from sm120patch import wheels
-
     registry = load_registry()
     distribution = _distribution(registry, name)
     try:
