@@ -17,6 +17,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from sm120patch.data import data_dir
+from sm120patch.environment import normalize_name, version_or_none
 from sm120patch.errors import PatchDataError
 from sm120patch.patchsets import PatchSet, parse_patch_set, read_toml, require_version
 
@@ -329,8 +330,6 @@ class Distribution(NamedTuple):
     def files_for(self, raw_version: str) -> tuple[str, ...]:
         """The files whose RECORD rows sm120patch reads for this release: those of the set pinned
         to it, or (a release no set pins: ``--force`` borrows the closest set) those of every set."""
-        from sm120patch.environment import version_or_none
-
         pinned = self.find(version_or_none(raw_version))
         if pinned is not None:
             return pinned.files
@@ -353,8 +352,6 @@ class Registry:
         return tuple(d.name for d in self.distributions)
 
     def get(self, name: str) -> Distribution:
-        from sm120patch.environment import normalize_name
-
         wanted = normalize_name(name)
         for distribution in self.distributions:
             if distribution.name == wanted:
@@ -401,8 +398,6 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     is read when first needed, and its rewriters are not constructed (status never runs one)."""
     where = f"{directory.name}/distribution.toml"
     doc = read_toml(directory / "distribution.toml", where)
-    from sm120patch.environment import normalize_name
-
     for key in ("name", "option", "summary"):
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise PatchDataError(f"{where}: missing '{key}'")

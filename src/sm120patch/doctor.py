@@ -19,6 +19,7 @@ from packaging.version import Version
 from sm120patch import driver
 from sm120patch.chain import StepResult
 from sm120patch.errors import ExitCode
+from sm120patch.jitbuild import libcuda_for_link
 from sm120patch.reports import StatusReport
 from sm120patch.words import counted
 
@@ -178,8 +179,6 @@ def examine_machine(report: DoctorReport) -> None:
             report.add("warn", f"CUDA toolkit {version}: enough for sm_120a; FlashInfer >= {FLASHINFER_USES_120F} targets 120f, which needs >= {MIN_CUDA_120F}")
         else:
             report.add("ok", f"CUDA toolkit {version} (nvcc): enough for sm_120a and 120f")
-        from sm120patch.jitbuild import libcuda_for_link
-
         libcuda = libcuda_for_link()
         report.libcuda = libcuda
         report.add("ok" if libcuda.kind != "none" else "info", f"libcuda for FlashInfer's JIT link: {libcuda.describe()}")

@@ -21,8 +21,9 @@ from typing import Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch.errors import TargetError
+from sm120patch.errors import Sm120PatchError, TargetError
 from sm120patch.fileio import NotRegularFile, read_regular
+from sm120patch.state import InstallState
 
 # A Requires-Dist line that pins exactly: "name==X" or "name[extra]==X", no marker, no other
 # specifier. packaging.requirements would parse any PEP 508 line, but its import (the marker
@@ -385,9 +386,6 @@ def _ledger_files(site_dir: Path, dist_info: Path) -> tuple[str, ...]:
     that a file another sm120patch patched (one whose data has a patch this one's lacks) is
     checked against the RECORD and reverted like the others. A ledger that cannot be read adds
     nothing here; reading it for the run says why."""
-    from sm120patch.errors import Sm120PatchError
-    from sm120patch.state import InstallState
-
     try:
         ledger = InstallState.for_install(site_dir, dist_info).read_ledger()
     except (Sm120PatchError, OSError):

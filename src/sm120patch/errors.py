@@ -10,6 +10,8 @@ import os
 import shlex
 from typing import Sequence
 
+from sm120patch import __version__
+
 
 class ExitCode(enum.IntEnum):
     """Process exit codes, documented in the README ("Exit codes") and in each command's help."""
@@ -99,8 +101,6 @@ class NewerFormatError(RefusedError):
 
 def newer_format(what: str, path, found, known: int, written_by: str | None) -> NewerFormatError:
     """The one-line refusal, naming the sm120patch that wrote ``path`` (it can read it)."""
-    from sm120patch import __version__
-
     writer = written_by or "a newer sm120patch"
     wanted = written_by.split()[-1] if written_by and written_by.startswith("sm120patch ") else None
     return NewerFormatError(

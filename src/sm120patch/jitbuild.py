@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from sm120patch import signals
 from sm120patch.errors import CheckFailedError, TargetError, UsageError
 from sm120patch.state import Owner
 from sm120patch.words import counted
@@ -145,8 +146,6 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
             events, tail, libcuda = _link_with_stub(python, spec, env, run_as, progress,
                                                     Path(events["build_dir"]), owner, events)
     except BaseException:  # a signal (the build's processes are gone by now), or a stub that cannot be made
-        from sm120patch import signals
-
         with signals.held():  # a second Ctrl-C must not leave the removal half done
             _remove_partial(events)
         raise
@@ -375,8 +374,6 @@ def _run(python: Path, request: dict, env: dict, run_as: dict,
                 progress(line, int(step.group(1)), int(step.group(2)))
         proc.wait()
     except BaseException:
-        from sm120patch import signals
-
         with signals.held():  # a second Ctrl-C must not cut the cleanup short
             end_group(proc)
         raise

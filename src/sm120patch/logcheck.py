@@ -22,10 +22,10 @@ from typing import Callable, Iterator, NamedTuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import pipeline
+from sm120patch import environment, pipeline
 from sm120patch.chain import STEPS, StepResult
 from sm120patch.data import data_dir
-from sm120patch.distributions import specifier
+from sm120patch.distributions import load_registry, specifier
 from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError, UsageError
 from sm120patch.patchsets import read_toml
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
@@ -626,8 +626,6 @@ class CheckLogRequest(NamedTuple):
 
 def _installed_version(python: str, server: str | None, registry) -> tuple[str | None, str | None]:
     """(server, version) as the target interpreter has them installed (the probe status uses)."""
-    from sm120patch import environment
-
     names = [server] if server else list(SERVERS)
     env = environment.start_probe(python, names).result(registry.wanted_rows)
     for name in names:
@@ -647,8 +645,6 @@ def _predicted(python: str, server: str | None):
 
 
 def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], None] | None = None) -> LogCheckReport:
-    from sm120patch.distributions import load_registry
-
     registry = load_registry(full=False)
     server, raw_version, version_from = request.server, request.version, "--version" if request.version else ""
     if request.python and not raw_version:

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sm120patch import ptx
+from sm120patch import ptx, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
+from sm120patch.jitbuild import end_group
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
 from sm120patch.words import counted
@@ -209,15 +210,11 @@ print(json.dumps(out))
         start = time.monotonic()
         # A process group of its own, ended whole on a signal (jitbuild.end_group): a killed
         # interpreter alone would leave FlashInfer's ninja and nvcc running.
-        from sm120patch.jitbuild import end_group
-
         proc = subprocess.Popen([str(python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd="/", start_new_session=True)
         try:
             stdout, stderr = proc.communicate()
         except BaseException:
-            from sm120patch import signals
-
             with signals.held():
                 end_group(proc)
             raise

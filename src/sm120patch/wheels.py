@@ -4,7 +4,6 @@ RECORD gives it)."""
 
 from __future__ import annotations
 
-import csv
 import io
 import os
 import stat
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 from sm120patch.environment import parse_record_hash
 from sm120patch.errors import PatchDataError, Sm120PatchError
 from sm120patch.fileio import KINDS
+from sm120patch.progress import say
 
 if TYPE_CHECKING:
     import zipfile
@@ -82,7 +82,6 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
     # Into a directory of its own, then renamed into the cache: a second run (or test worker)
     # fetching the same release never sees a half-written wheel, and a killed one leaves none.
     staging = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
-    from sm120patch.progress import say  # here: the tests' wheel helpers import this module alone
 
     say(f"downloading the {distribution} {version} wheel from the package index into {cache} (once) ...")
     started = time.monotonic()
@@ -145,6 +144,8 @@ def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
             records = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
             if len(records) != 1:
                 raise PatchDataError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(records)}")
+            import csv  # here: status imports this module and never reads a wheel
+
             rows = csv.reader(io.StringIO(archive.read(records[0]).decode("utf-8", errors="replace")))
             return archive, {row[0]: parse_record_hash(row[1]) if len(row) > 1 and row[1] else None
                              for row in rows if row}

@@ -19,10 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from dataclasses import replace
+
+from sm120patch import driver, pipeline
 from sm120patch.bench.preflight import SUPPORTED_WORLD_SIZES, BenchRequest, parse_int_list, preflight
 from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, failure
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
+from sm120patch.distributions import load_registry
 from sm120patch.errors import UsageError
 from sm120patch.words import spec_words
 
@@ -33,11 +37,6 @@ __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Ca
 
 def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = None) -> BenchReport:
     """The whole command: ask the target what it has, refuse what cannot run, run the workers."""
-    from dataclasses import replace
-
-    from sm120patch import driver, pipeline
-    from sm120patch.distributions import load_registry
-
     registry = load_registry(full=False)
     # Every installed distribution: the one whose kernels bench runs, and the servers whose
     # workspace path it follows.

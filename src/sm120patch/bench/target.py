@@ -7,6 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from sm120patch.distributions import load_registry
 from sm120patch.errors import TargetError
 
 _PROBE = r"""
@@ -77,6 +78,4 @@ def probe_target(python: Path, kernels: str) -> TargetInfo:
 
 def kernels_distribution() -> str:
     """The distribution whose JIT module bench runs (FlashInfer's), as the patch data names it."""
-    from sm120patch.distributions import load_registry
-
     return next(d.name for d in load_registry(full=False) if d.jit_module)
