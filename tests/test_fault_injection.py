@@ -70,7 +70,7 @@ def paths_in(args: str) -> list[str]:
 
 def template(path: str, base: str, pid: int) -> str:
     """``path`` with the sandbox's directory as ``{base}`` (each worker has its own) and the pid
-    in a temporary file's name (fileops.temporary) as ``{pid}``."""
+    in a temporary file's name (state.temporary) as ``{pid}``."""
     path = path.replace("{", "{{").replace("}", "}}").replace(f".sm120patch-{pid}.", ".sm120patch-{pid}.")
     assert path.startswith(base + "/"), path
     return "{base}" + path[len(base):]

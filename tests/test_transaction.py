@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from helpers import FLASHINFER_FILES, COMM, COMMUNICATOR, HEADER, LAMPORT, changed, snapshot
-from sm120patch import signals, transaction
+from sm120patch import fileops, signals, transaction
 from sm120patch.errors import ExitCode, TransactionError
-from sm120patch.state import Owner, ensure_dir
+from sm120patch.state import TEMPORARY, TEMPORARY_SUFFIXES, Owner, ensure_dir, temporary
 from sm120patch.fileops import atomic_write
 from sm120patch.locks import install_locks
 
@@ -37,7 +37,7 @@ def test_atomic_write_failure_leaves_the_old_file(tmp_path, monkeypatch):
     def full_disk(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(transaction.os, "write", full_disk)
+    monkeypatch.setattr(os, "write", full_disk)
     with pytest.raises(OSError):
         atomic_write(target, b"new")
     assert target.read_bytes() == b"old"
@@ -60,9 +60,9 @@ def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeyp
                 raise OSError(errno.EIO, "Input/output error", str(dst))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(transaction.os, "replace", flaky_replace)
+    monkeypatch.setattr(os, "replace", flaky_replace)
     result = sm120patch("apply")
-    monkeypatch.setattr(transaction.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     assert result.exit_code == ExitCode.FAILED
     assert "Input/output error" in result.output and "the environment is as it was" in result.output
     assert "Traceback" not in result.output
@@ -71,7 +71,7 @@ def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeyp
 
 def raise_after_two_files(monkeypatch, exc: type[BaseException] | BaseException) -> dict:
     """Make the transaction raise ``exc`` right after it has written the second package file."""
-    real_write = transaction.atomic_write
+    real_write = fileops.atomic_write
     writes = {"n": 0}
 
     def write_then_raise(path, data, **kwargs):
@@ -81,7 +81,8 @@ def raise_after_two_files(monkeypatch, exc: type[BaseException] | BaseException)
             if writes["n"] == 2:
                 raise exc
 
-    monkeypatch.setattr(transaction, "atomic_write", write_then_raise)
+    # The transaction writes through fileops.atomic_write, looked up when it writes.
+    monkeypatch.setattr(fileops, "atomic_write", write_then_raise)
     return writes
 
 
@@ -190,3 +191,14 @@ def test_the_state_directory_override(sm120patch, serving_env, tmp_path, monkeyp
     assert sm120patch("status").exit_code == 0
     assert sm120patch("revert").exit_code == 0
     assert serving_env.record_mismatches() == []
+
+
+def test_every_temporary_name_is_one_the_cleanup_finds(tmp_path):
+    """The names a run gives its temporary files and the pattern status and the next run find
+    them by come from one place (state.py): each kind matches, nothing else does."""
+    for suffix in TEMPORARY_SUFFIXES:
+        assert TEMPORARY.match(temporary(tmp_path / "ledger.json", suffix, pid=4242).name), suffix
+    assert not TEMPORARY.match("ledger.json")
+    assert not TEMPORARY.match(".ledger.json.sm120patch-4242.bak")
+    with pytest.raises(ValueError):
+        temporary(tmp_path / "ledger.json", "bak")

@@ -16,7 +16,7 @@ from typing import Sequence
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
-from sm120patch.state import Owner, permission_hint
+from sm120patch.state import Owner, permission_hint, temporary
 
 ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
 
@@ -48,12 +48,6 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None,
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-
-
-def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
-    """The name of the temporary file beside ``path`` that a process (default: this one)
-    replaces it with."""
-    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
 
 
 def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:

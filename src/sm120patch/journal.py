@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 from sm120patch import __version__
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
-from sm120patch.state import Owner, state_root
+from sm120patch.state import Owner, stash_root, state_root
 
 JOURNAL_FORMAT = 2
 # Who wrote it: an older sm120patch that cannot honour a newer format refuses and names this one.
@@ -132,6 +132,6 @@ def leftover_runs(site_dir: Path) -> list[Path]:
     """Stash directories no journal refers to: runs killed after their commit point, before
     they had cleaned up (their JIT asides carry the same run id)."""
     root = state_root(site_dir)
-    if journal_in(root).exists() or not (root / "stash").is_dir():
+    if journal_in(root).exists() or not stash_root(root).is_dir():
         return []
-    return sorted(p for p in (root / "stash").iterdir() if p.is_dir())
+    return sorted(p for p in stash_root(root).iterdir() if p.is_dir())

@@ -252,7 +252,23 @@ def orphans(site_dir: Path) -> list[Orphan]:
     return found
 
 
-TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(tmp|link)$")  # fileops.temporary()'s names
+TEMPORARY_SUFFIXES = ("tmp", "link")  # a file's new bytes; a symbolic link's new target
+
+
+def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
+    """The name of the temporary file beside ``path`` that a process (default: this one)
+    replaces it with. Named here, with the pattern that finds them, so the two cannot drift."""
+    if suffix not in TEMPORARY_SUFFIXES:  # a name the cleanup would never find
+        raise ValueError(f"not a temporary suffix: {suffix!r}")
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
+
+
+TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(%s)$" % "|".join(TEMPORARY_SUFFIXES))  # temporary()'s names
+
+
+def stash_root(root: Path) -> Path:
+    """Where the runs of a state root keep their before-copies (``stash/<run>/``)."""
+    return root / "stash"
 
 
 def temporaries(site_dir: Path) -> list[Path]:

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from sm120patch import signals
+from sm120patch import fileops, signals
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
-from sm120patch.fileops import aside_path, atomic_write, check_writable, describe, fsync_dir, prune, temporary
+from sm120patch.fileops import aside_path, check_writable, describe, fsync_dir, prune, temporary
 from sm120patch.hashing import sha256
 from sm120patch.journal import REVERT_FORCE, Journal, journal_at, journal_in, read_journal
-from sm120patch.state import Owner, ensure_dir
+from sm120patch.state import TEMPORARY_SUFFIXES, Owner, ensure_dir, stash_root
 from sm120patch.words import counted
 
 # shutil is imported inside the functions that copy or remove: `status` imports this module
@@ -82,7 +82,6 @@ class Recovery:
     operation: str
     restored: tuple[str, ...]
     finished: bool = False  # every change had been made: the run was completed, not rolled back
-    started: str = ""
 
 
 def new_run() -> str:
@@ -111,7 +110,7 @@ class Transaction:
         return journal_in(self.roots[0])
 
     def stash_dir(self, root: Path) -> Path:
-        return root / "stash" / self.run
+        return stash_root(root) / self.run
 
     # -- begin ---------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -135,9 +134,9 @@ class Transaction:
             self.entries.append(entry)
         journal = Journal(self.journal, self.operation, self.run, [str(r) for r in self.roots], self.entries,
                           pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        atomic_write(self.journal, journal.to_bytes(), owner=self.owners[self.roots[0]])
+        fileops.atomic_write(self.journal, journal.to_bytes(), owner=self.owners[self.roots[0]])
         for root in self.roots[1:]:
-            atomic_write(journal_in(root), journal.pointer_bytes(), owner=self.owners[root])
+            fileops.atomic_write(journal_in(root), journal.pointer_bytes(), owner=self.owners[root])
 
     # -- the changes ---------------------------------------------------------------------------
     def apply(self) -> None:
@@ -153,7 +152,7 @@ class Transaction:
                 like = change.path.stat() if change.path.exists() and not change.path.is_symlink() else None
                 if change.path.is_symlink():  # replace the link itself, never write through it
                     change.path.unlink()
-                atomic_write(change.path, change.data, like=like, owner=change.owner)
+                fileops.atomic_write(change.path, change.data, like=like, owner=change.owner)
             elif change.op == "restore":
                 _place(change.source, change.path)
             elif change.op == "symlink":
@@ -369,15 +368,15 @@ def _drop_journals(journal: Journal) -> None:
 
     pid = journal.pid
     for entry in journal.entries if pid is not None else ():  # killed between making a temporary and renaming it
-        for suffix in ("tmp", "link"):
+        for suffix in TEMPORARY_SUFFIXES:
             temporary(Path(entry["path"]), suffix, pid).unlink(missing_ok=True)
     journal.path.unlink(missing_ok=True)
     roots = [Path(r) for r in journal.roots]
     for root in roots:
         journal_in(root).unlink(missing_ok=True)
-        shutil.rmtree(root / "stash" / journal.run, ignore_errors=True)
+        shutil.rmtree(stash_root(root) / journal.run, ignore_errors=True)
         try:
-            (root / "stash").rmdir()
+            stash_root(root).rmdir()
         except OSError:
             pass
     for entry in journal.entries:
@@ -410,5 +409,5 @@ def recover(site_dirs: Sequence[Path], *, force: bool = False, revert_command: s
                 raise
             _drop_journals(journal)
             restored = ()
-        return Recovery(journal.operation, restored, finished=finished and not restored, started=journal.started)
+        return Recovery(journal.operation, restored, finished=finished and not restored)
     return None
