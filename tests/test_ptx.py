@@ -19,7 +19,8 @@ ARCHS = ("120a", "90a", "100a")
 
 def compile_all(data_dir):
     with ThreadPoolExecutor(max_workers=len(ARCHS)) as pool:
-        return dict(zip(ARCHS, pool.map(lambda arch: compile_ptx(data_dir, arch), ARCHS)))
+        includes = [data_dir / "include", data_dir / "spdlog" / "include", data_dir / "cutlass" / "include"]
+        return dict(zip(ARCHS, pool.map(lambda arch: compile_ptx(includes, arch), ARCHS)))
 
 
 def test_patched_header_compiles_the_lamport_kernel_for_sm120_and_nothing_else_changes(sm120patch, serving_env):

@@ -11,7 +11,7 @@ from pathlib import Path
 import git
 import pytest
 
-from helpers import run_cli
+from helpers import need, run_cli
 from sm120patch.errors import ExitCode
 from sm120patch.wheels import fetch_wheel
 
@@ -28,11 +28,15 @@ def new_repo(root: Path) -> git.Repo:
     return repo
 
 
-def flashinfer_tree(wheel: Path, root: Path, version: str) -> git.Repo:
-    """FlashInfer's repository layout from its wheel: data/include -> include, data/csrc -> csrc."""
+def flashinfer_tree(wheel: Path, root: Path, version: str, *, submodules: bool = False) -> git.Repo:
+    """FlashInfer's repository layout from its wheel: data/include -> include, data/csrc -> csrc
+    (and, with ``submodules``, data/spdlog and data/cutlass -> 3rdparty/, as upstream has them)."""
+    moves = [("flashinfer/data/include/", "include/"), ("flashinfer/data/csrc/", "csrc/")]
+    if submodules:
+        moves += [("flashinfer/data/spdlog/", "3rdparty/spdlog/"), ("flashinfer/data/cutlass/", "3rdparty/cutlass/")]
     with zipfile.ZipFile(wheel) as archive:
         for name in archive.namelist():
-            for prefix, target in (("flashinfer/data/include/", "include/"), ("flashinfer/data/csrc/", "csrc/")):
+            for prefix, target in moves:
                 if name.startswith(prefix):
                     break
             else:
@@ -254,3 +258,28 @@ def test_diff_is_accepted_by_patch_p1_from_site_packages(serving_env, tmp_path):
     subprocess.run(["patch", "-p1", "--dry-run", "-i", str(patch_file)], cwd=serving_env.site_packages, check=True,
                    capture_output=True)
     subprocess.run(["git", "apply", "--check", str(patch_file)], cwd=serving_env.site_packages, check=True)
+
+
+def test_verify_compile_builds_a_checkouts_header_from_its_own_layout(tmp_path, flashinfer_wheel):
+    """verify --compile of an editable FlashInfer (its tree is the checkout) compiles the header
+    where the checkout keeps it: include/ and the 3rdparty/ submodules, not flashinfer/data/.
+    Pristine, the SM120 lamport kernel is compiled out; after apply (a commit), it is there."""
+    from sm120patch import verify
+    from sm120patch.assess import assess
+    from sm120patch.checkout import open_checkout
+    from sm120patch.distributions import load_registry
+    from sm120patch.ptx import find_nvcc
+    from sm120patch.reports import TreeStatus
+
+    need(find_nvcc() is not None, "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
+    repo = flashinfer_tree(flashinfer_wheel, tmp_path / "flashinfer", "0.6.4", submodules=True)
+
+    def lamport_check():
+        tree = open_checkout(repo.working_tree_dir, load_registry())
+        results = verify.compile_checks(TreeStatus(assess(tree, tree.distribution)))
+        return {r.subject: r for r in results}
+
+    before = lamport_check()["sm_120a lamport kernel PTX"]
+    assert before.ok is False and "compiled out" in before.detail
+    assert run_cli("apply", "--source", repo.working_tree_dir).exit_code == ExitCode.OK
+    assert lamport_check()["sm_120a lamport kernel PTX"].ok is True

@@ -143,6 +143,8 @@ class CheckoutLayout(NamedTuple):
         for installed, repository in self.layout:
             if relpath.startswith(installed):
                 return repository + relpath[len(installed):]
+            if relpath + "/" == installed:  # the directory itself (verify's include path)
+                return repository.rstrip("/")
         return None
 
     def matches(self, root: Path) -> bool:
@@ -156,6 +158,8 @@ class VerifySpec(NamedTuple):
     arch_list: str | None = None  # FLASHINFER_CUDA_ARCH_LIST to ask it with
     expect_target: str | None = None  # what its nvcc flags must then target
     compile_header: str | None = None  # the RECORD path `verify --compile` builds PTX from
+    # Its include path, as the wheel names the directories (the header's own directory first).
+    compile_includes: tuple[str, ...] = ()
 
 
 class PatchSets:
@@ -473,9 +477,15 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         checkout = CheckoutLayout(markers=_str_list(raw, "markers", where), layout=tuple(tuple(p) for p in layout),
                                   version_file=_optional_str(raw, "version_file", where))
     raw_verify = doc.get("verify", {})
+    includes = raw_verify.get("compile_includes", [])
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise PatchDataError(f"{where}: 'compile_includes' must be a list of strings")
     verify = VerifySpec(**{key: _optional_str(raw_verify, key, where)
-                           for key in ("jit_spec", "arch_list", "expect_target", "compile_header")})
-    unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header"}
+                           for key in ("jit_spec", "arch_list", "expect_target", "compile_header")},
+                        compile_includes=tuple(includes))
+    if verify.compile_header and not verify.compile_includes:
+        raise PatchDataError(f"{where}: 'compile_header' needs 'compile_includes' (the include path to build it with)")
+    unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header", "compile_includes"}
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
     fixed_in = _optional_str(doc, "fixed_in", where)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from sm120patch.errors import Sm120PatchError
 
@@ -38,9 +39,9 @@ def find_nvcc() -> Path | None:
     return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
 
 
-def compile_ptx(data_dir: Path, arch: str, *, nvcc: Path | None = None) -> str:
-    """PTX of the kernel for ``arch`` (e.g. ``120a``), built from ``data_dir`` (an installed
-    ``flashinfer/data``: its include, spdlog and cutlass headers)."""
+def compile_ptx(includes: Sequence[Path], arch: str, *, nvcc: Path | None = None) -> str:
+    """PTX of the kernel for ``arch`` (e.g. ``120a``), built with ``includes`` on the include
+    path (FlashInfer's include, spdlog and cutlass headers, wherever the tree keeps them)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise Sm120PatchError("nvcc not found ($CUDA_HOME/bin when set, else PATH, else /usr/local/cuda/bin)")
@@ -49,8 +50,7 @@ def compile_ptx(data_dir: Path, arch: str, *, nvcc: Path | None = None) -> str:
         source.write_text(KERNEL_TU)
         proc = subprocess.run(
             [str(nvcc), "--ptx", "-std=c++17", f"-gencode=arch=compute_{arch},code=compute_{arch}",
-             f"-I{data_dir / 'include'}", f"-I{data_dir / 'spdlog' / 'include'}",
-             f"-I{data_dir / 'cutlass' / 'include'}", str(source), "-o", str(output)],
+             *(f"-I{include}" for include in includes), str(source), "-o", str(output)],
             capture_output=True, text=True,
         )
         if proc.returncode != 0:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from sm120patch import ptx, signals
 from sm120patch.assess import State
@@ -123,21 +123,18 @@ def runtime_checks(python: Path, items: list[TreeStatus]) -> list[CheckResult]:
     return results
 
 
-def _pristine_include_tree(data_dir: Path, original_header: bytes, into: Path) -> Path:
-    """A mirror of ``data_dir/include`` (symlinks) whose trtllm_allreduce.cuh is the release's.
-    Relative includes resolve against the directory a file was named through, so the mirror
-    behaves exactly like the installed tree."""
-    include = data_dir / "include"
+def _pristine_include_tree(include: Path, header: Path, original_header: bytes, into: Path) -> Path:
+    """A mirror of the ``include`` directory (symlinks) whose ``header`` (a file under it) holds
+    the release's bytes. Relative includes resolve against the directory a file was named
+    through, so the mirror behaves exactly like the tree's own."""
     for directory, _, files in os.walk(include):
-        target_dir = into / "include" / Path(directory).relative_to(include)
+        target_dir = into / Path(directory).relative_to(include)
         target_dir.mkdir(parents=True, exist_ok=True)
         for name in files:
             (target_dir / name).symlink_to(Path(directory) / name)
-    header = into / "include" / "flashinfer" / "comm" / "trtllm_allreduce.cuh"
-    header.unlink()
-    header.write_bytes(original_header)
-    for other in ("spdlog", "cutlass"):
-        (into / other).symlink_to(data_dir / other)
+    mirrored = into / header.relative_to(include)
+    mirrored.unlink()
+    mirrored.write_bytes(original_header)
     return into
 
 
@@ -150,11 +147,13 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
     header = a.files.get(relpath) if relpath else None
     if header is None:
         return [CheckResult("compile", "nvcc PTX", None, f"this release's patch set does not touch {relpath}")]
-    data_dir = a.tree.root / "flashinfer" / "data"
+    # The include directories as the wheel names them, wherever this tree keeps them (an install:
+    # under flashinfer/data; a checkout: include/ and 3rdparty/): the tree's read() says where.
+    includes = [a.tree.read(relpath).path for relpath in item.distribution.verify.compile_includes]
     expected = a.manifest.files[relpath].pristine if a.manifest else None
     reference = a.tree.saved_original(relpath, expected) if header.state is State.APPLIED and expected else None
 
-    def build(arch: str, tree: Path, label: str) -> str:
+    def build(arch: str, tree: Sequence[Path], label: str) -> str:
         if progress:
             progress(f"compiling sm_{arch} PTX from the {label} header with {nvcc} ...")
         start = time.monotonic()
@@ -165,7 +164,7 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
 
     results = []
     try:
-        installed = {arch: build(arch, data_dir, "installed") for arch in PTX_ARCHS}
+        installed = {arch: build(arch, includes, "installed") for arch in PTX_ARCHS}
         count = ptx.griddepcontrol_count(installed["120a"])
         results.append(CheckResult("compile", "sm_120a lamport kernel PTX", count > 0,
                                    f"{counted(count, 'griddepcontrol instruction')}" + ("" if count else ": the kernel body is compiled out")))
@@ -175,7 +174,7 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
                 results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", None if header.state is not State.PRISTINE else True, detail))
             return results
         with tempfile.TemporaryDirectory(prefix="sm120patch-pristine-") as tmp:
-            tree = _pristine_include_tree(data_dir, reference, Path(tmp))
+            tree = [_pristine_include_tree(includes[0], header.path, reference, Path(tmp)), *includes[1:]]
             for arch in PTX_ARCHS[1:]:
                 same = build(arch, tree, "release") == installed[arch]
                 results.append(CheckResult("compile", f"sm_{arch} PTX unchanged", same,
