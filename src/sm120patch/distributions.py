@@ -483,8 +483,6 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     verify = VerifySpec(**{key: _optional_str(raw_verify, key, where)
                            for key in ("jit_spec", "arch_list", "expect_target", "compile_header")},
                         compile_includes=tuple(includes))
-    if verify.compile_header and not verify.compile_includes:
-        raise PatchDataError(f"{where}: 'compile_header' needs 'compile_includes' (the include path to build it with)")
     unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header", "compile_includes"}
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")

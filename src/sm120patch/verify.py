@@ -147,6 +147,9 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
     header = a.files.get(relpath) if relpath else None
     if header is None:
         return [CheckResult("compile", "nvcc PTX", None, f"this release's patch set does not touch {relpath}")]
+    if not item.distribution.verify.compile_includes:
+        # Data from before the include path was data (SM120PATCH_DATA_DIR can point at it).
+        return [CheckResult("compile", "nvcc PTX", None, "the patch data names no include path ([verify] compile_includes)")]
     # The include directories as the wheel names them, wherever this tree keeps them (an install:
     # under flashinfer/data; a checkout: include/ and 3rdparty/): the tree's read() says where.
     includes = [a.tree.read(relpath).path for relpath in item.distribution.verify.compile_includes]
