@@ -16,7 +16,7 @@ import re
 import shlex
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from packaging.version import Version
 
@@ -28,6 +28,7 @@ from sm120patch.invocation import command
 from sm120patch.locks import flock
 from sm120patch.manifests import load_manifest
 from sm120patch.patchsets import Patch, PatchSet
+from sm120patch.records import Commit, Undo
 from sm120patch.trees import FileRead, TreeWords, read_or_none
 
 if TYPE_CHECKING:  # a plan is only handed in: status, which opens checkouts, never plans
@@ -194,12 +195,6 @@ def commit_message(tree: CheckoutTree, patch_set: PatchSet, patches: Sequence[Pa
     return "\n".join(lines) + "\n"
 
 
-class Commit(NamedTuple):
-    branch: str
-    sha: str
-    files: tuple[str, ...]  # repository paths
-
-
 def commit_plan(tree: CheckoutTree, plan: Plan) -> Commit:
     """Create the branch, write the planned files, commit them; on any failure the user is
     back on their branch with the new one deleted."""
@@ -240,11 +235,6 @@ def read_note(tree: CheckoutTree) -> dict | None:
     except ValueError:
         raise RefusedError(f"{tree.state_path} is unreadable",
                            hint="delete it, and sm120patch's branch if there is one, by hand") from None
-
-
-class Undo(NamedTuple):
-    message: str
-    changed: bool
 
 
 def revert_checkout(tree: CheckoutTree) -> Undo:

@@ -19,37 +19,14 @@ import pwd
 import re
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable
 
 from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledDistribution
+from sm120patch.records import AotShadow, CacheBase, JitStatus
 from sm120patch.state import Owner
 from sm120patch.fileops import ASIDE_TAG
 from sm120patch.locks import flock
 from sm120patch.transaction import Change
-
-
-class CacheBase(NamedTuple):
-    """Where FlashInfer's JIT cache is, and why sm120patch thinks so."""
-
-    path: Path
-    reason: str  # --jit-cache-base / $FLASHINFER_WORKSPACE_BASE / $HOME / the owner's home
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.path / ".cache" / "flashinfer"
-
-
-class JitStatus(NamedTuple):
-    """The module's JIT cache entries of one release, in the cache base the server reads."""
-
-    base: CacheBase
-    entries: list[Path]
-    stale: list[Path]
-    foreign: Mapping[Path, Path]  # entry -> a source of another environment
-    asides: list[Path]
-    # Entries without the module's library: a build that did not finish (build.ninja, .d and
-    # object files). FlashInfer's next start builds the rest; nothing loads one as it is.
-    incomplete: Sequence[Path] = ()
 
 
 def status(version: str, module: str, base: CacheBase, site_dir: Path, sources: list[Path]) -> JitStatus:
@@ -174,13 +151,6 @@ def module_locks(entries_: list[Path], module: str, *, owner: Owner | None,
         stack.close()
         raise
     return stack
-
-
-class AotShadow(NamedTuple):
-    """A prebuilt module that FlashInfer loads instead of compiling the patched sources."""
-
-    path: str
-    source: str  # "flashinfer-jit-cache <version>" or "flashinfer/data/aot"
 
 
 def aot_shadows(env: Environment, flashinfer: InstalledDistribution | None, module: str) -> list[AotShadow]:

@@ -8,18 +8,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
-from sm120patch import jitcache
-from sm120patch.jitcache import JitStatus
 from sm120patch.assess import Assessment, status_exit_code
 from sm120patch.distributions import Advice, Distribution
 from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError
+from sm120patch.records import AotShadow, CacheBase, Commit, JitStatus, Recovery, Undo
 from sm120patch.state import Orphan
 
 if TYPE_CHECKING:
     from sm120patch.chain import Chain
-    from sm120patch.checkout import Commit, Undo
     from sm120patch.plan import Plan, PlannedFile
-    from sm120patch.transaction import Recovery
     from sm120patch.trees import Tree
 
 
@@ -57,7 +54,7 @@ class StatusReport(NamedTuple):
     target: str
     python_version: str | None
     trees: list[TreeStatus]
-    aot: list[jitcache.AotShadow]
+    aot: list[AotShadow]
     chosen_by: str = ""  # no --python: why this interpreter is the target
     registry_names: tuple[str, ...] = ()
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
@@ -111,9 +108,9 @@ class ChangeReport:
     left: list[Left] = field(default_factory=list)
     recovery: Recovery | None = None
     jit_removed: list[Path] = field(default_factory=list)
-    jit_base: jitcache.CacheBase | None = None  # set when a JIT module's sources were looked at
+    jit_base: CacheBase | None = None  # set when a JIT module's sources were looked at
     jit_sources_changed: bool = False
-    aot: list[jitcache.AotShadow] = field(default_factory=list)
+    aot: list[AotShadow] = field(default_factory=list)
     routed: list[tuple[str, Path]] = field(default_factory=list)
     leftovers_removed: list[Path] = field(default_factory=list)
     orphans_removed: list[Orphan] = field(default_factory=list)  # state of installs that are gone

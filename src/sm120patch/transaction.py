@@ -36,6 +36,7 @@ from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.fileops import aside_path, check_writable, describe, fsync_dir, prune, temporary
 from sm120patch.hashing import sha256
+from sm120patch.records import Recovery
 from sm120patch.journal import REVERT_FORCE, Journal, journal_at, journal_in, read_journal
 from sm120patch.state import TEMPORARY_SUFFIXES, Owner, ensure_dir, stash_root
 from sm120patch.words import counted
@@ -73,15 +74,6 @@ class Change(NamedTuple):
         if self.op == "symlink":
             return {"type": "link", "target": self.target}
         return {"type": "missing"}
-
-
-@dataclass
-class Recovery:
-    """What a run found and did about a transaction an earlier run left behind."""
-
-    operation: str
-    restored: tuple[str, ...]
-    finished: bool = False  # every change had been made: the run was completed, not rolled back
 
 
 def new_run() -> str:
