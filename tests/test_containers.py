@@ -50,15 +50,36 @@ def test_the_dockerfile_declares_what_it_uses():
     assert [c for c in kinds if c == "COPY"] == ["COPY"]
 
 
-@pytest.mark.parametrize("name", ["production-stack.yaml", "vllm-chart.yaml", "kserve-servingruntime.yaml"])
+# Where each chart or runtime takes the container's command (production-stack takes none).
+COMMANDS = {
+    "production-stack.yaml": None,
+    "vllm-chart.yaml": lambda d: d["image"]["command"],
+    "kserve-servingruntime.yaml": lambda d: d["spec"]["containers"][0]["command"],
+    "llm-d-modelservice.yaml": lambda d: d["decode"]["containers"][0]["command"],
+    "ome-clusterservingruntime.yaml": lambda d: d["spec"]["engineConfig"]["runner"]["command"],
+}
+
+
+def test_every_values_snippet_is_named_here_and_in_the_doc():
+    shipped = {path.name for path in (CONTAINER / "values").glob("*.yaml")}
+    assert shipped == set(COMMANDS)
+    doc = (ROOT / "docs" / "containers.md").read_text()
+    assert all(f"values/{name}" in doc for name in shipped)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_the_values_snippets_are_yaml_with_the_image_or_the_wrapper(name):
     document = yaml.safe_load((CONTAINER / "values" / name).read_text())
-    text = json.dumps(document)
-    assert "sm120" in text  # the derived image
-    if name != "production-stack.yaml":  # the chart that allows a command puts the wrapper first
-        command = (document["image"]["command"] if name == "vllm-chart.yaml"
-                   else document["spec"]["containers"][0]["command"])
-        assert command[0] == "sm120patch-entrypoint"
+    assert "-sm120" in json.dumps(document)  # the derived image
+    if COMMANDS[name] is None:  # a chart without a command override: the image alone
+        return
+    command = COMMANDS[name](document)
+    assert command[0] == "sm120patch-entrypoint"  # the wrapper first, then the server
+    if command[1:2] == ["/bin/bash"]:  # a shell in between: it must exec the server, keeping its signals
+        script = document["spec"]["engineConfig"]["runner"]["args"][0]
+        assert script.lstrip().startswith("exec ")
+    if name == "llm-d-modelservice.yaml":
+        assert document["decode"]["containers"][0]["modelCommand"] == "custom"  # else the chart ignores command
 
 
 def test_the_wrapper_and_launcher_are_valid_shell_and_python():
