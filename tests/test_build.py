@@ -253,6 +253,24 @@ def test_a_plain_arch_of_sm90_or_later_is_named_as_the_server_would_miss_it():
     assert arch_note("12.0a") is None and arch_note("8.0 8.6") is None and arch_note(None) is None
 
 
+@pytest.mark.parametrize("arch, sm120, found", [
+    ("12.0a", ["12.0a"], None),  # FlashInfer up to 0.6.6: the server looks up this very entry
+    ("12.0a", ["12.0f"], "'12.0f'"),  # 0.6.7+ with nvcc 12.9+: another directory (120f)
+    ("12.0f", ["12.0f"], None),
+    ("9.0a 12.0a", ["12.0a"], "'12.0a'"),  # a list of several: its own directory (90a_120a)
+    ("9.0a", ["12.0f"], None),  # not built for SM120: nothing to say about SM120 servers
+    ("12.0a", None, None),  # FlashInfer could not say (an old release, no nvcc): no guess
+])
+def test_an_sm120_arch_other_than_flashinfers_own_is_named_with_both_ways_out(arch, sm120, found):
+    note = arch_note(arch, sm120)
+    if found is None:
+        assert note is None
+        return
+    assert f"builds for {found}" in note and f"FLASHINFER_CUDA_ARCH_LIST={arch!r}" in note
+    assert note.endswith(f"else use --arch {found}")
+    assert ("SGLang 0.5.4.post3 and later set it themselves" in note) is (arch == "12.0a")
+
+
 # What FlashInfer's own code derives, in the serving environment's interpreter: the JIT cache
 # directory and nvcc's arch flags, once from two detected SM120 GPUs (torch's answer is the
 # only thing replaced; there is no SM120 GPU here) and once from the list `--arch 12.0a` sets.

@@ -465,3 +465,23 @@ def test_sglang_0510_manager_without_multicast_turns_fusion_off_as_released_and_
         assert session("revert", "--flashinfer").exit_code == 0
     assert patched["outcome"] == "reached cuMemCreate", patched
     assert [c for c in patched["calls"] if c.startswith("cuMulticast")] == []
+
+
+@pytest.mark.parametrize("version, wanted", [("0.6.4", ["12.0a"]), ("0.6.16.post4", ["12.0f"])])
+def test_what_each_flashinfer_builds_for_a_detected_sm120_gpu_is_its_own_answer(fusion_env, flashinfer_release,
+                                                                               monkeypatch, version, wanted):
+    """An image build names the arch (`--arch 12.0a`); the server's FlashInfer, left to itself on
+    an SM120 GPU, names its own: 12.0a up to 0.6.6, 12.0f from 0.6.7 with nvcc 12.9 or later. The
+    answer is FlashInfer's own CompilationContext's, and `build` names the difference."""
+    from sm120patch.jitbuild import arch_note, sm120_archs
+    from sm120patch.ptx import find_nvcc
+
+    need(find_nvcc() is not None, "nvcc not found (FlashInfer 0.6.7+ asks nvcc's version for SM120's suffix)")
+    if version != "0.6.4":
+        monkeypatch.setenv("PYTHONPATH", str(flashinfer_release(version)))
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # the server's own detection: never the caller's list
+    assert sm120_archs(fusion_env.python) == wanted
+    note = arch_note("12.0a", wanted)
+    assert (note is None) is (wanted == ["12.0a"])
+    if note:
+        assert "FLASHINFER_CUDA_ARCH_LIST='12.0a'" in note and note.endswith("else use --arch '12.0f'"), note

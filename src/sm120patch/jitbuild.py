@@ -33,12 +33,34 @@ from sm120patch.words import counted
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 _ARCH = re.compile(r"^\d+\.\d+[af]?$")
 
-# Runs in the target interpreter. argv[1]: JSON {"spec": "module:function", "phase": "build" | "prove"}.
+# Runs in the target interpreter. argv[1]: JSON {"spec": "module:function", "phase": "build" | "prove" | "sm120"}.
 _SCRIPT = r"""
 import importlib, json, os, subprocess, sys
 request = json.loads(sys.argv[1])
 def say(**event):
     print("@@sm120patch " + json.dumps(event), flush=True)
+def sm120():
+    # The architectures this FlashInfer builds for an SM120 GPU it detects itself (no
+    # FLASHINFER_CUDA_ARCH_LIST): asked of its own CompilationContext, torch's answer for the
+    # device replaced (a build machine may have no GPU). 0.6.7+ says 12.0f where nvcc >= 12.9.
+    try:
+        import torch
+        from flashinfer.compilation_context import CompilationContext
+    except Exception:
+        return None
+    saved = os.environ.pop("FLASHINFER_CUDA_ARCH_LIST", None), torch.cuda.device_count, torch.cuda.get_device_capability
+    torch.cuda.device_count, torch.cuda.get_device_capability = (lambda: 1), (lambda device=None: (12, 0))
+    try:
+        return ["%d.%s" % arch for arch in sorted(CompilationContext().TARGET_CUDA_ARCHS)] or None
+    except Exception:
+        return None
+    finally:
+        torch.cuda.device_count, torch.cuda.get_device_capability = saved[1], saved[2]
+        if saved[0] is not None:
+            os.environ["FLASHINFER_CUDA_ARCH_LIST"] = saved[0]
+if request["phase"] == "sm120":
+    say(sm120=sm120())
+    sys.exit(0)
 try:
     if not os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
         import torch
@@ -78,7 +100,7 @@ else:
         loaded, error = True, None
     except Exception as exc:
         loaded, error = False, "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-    say(same_ninja=same, up_to_date="no work to do" in dry.stdout, loaded=loaded, load_error=error)
+    say(same_ninja=same, up_to_date="no work to do" in dry.stdout, loaded=loaded, load_error=error, sm120=sm120())
 """
 
 
@@ -105,18 +127,30 @@ class BuildResult:
     libcuda: str | None = None  # linked against sm120patch's own stub: what and why (None: the link's own)
 
 
-def arch_note(arch: str | None) -> str | None:
-    """FlashInfer names the entry after its arch list; detecting a GPU of SM90 or later it adds
-    the ``a`` suffix (12.0 -> 12.0a, directory 120a). ``--arch 12.0`` therefore builds an entry
-    that a server without FLASHINFER_CUDA_ARCH_LIST=12.0 in its environment never looks up."""
+def arch_note(arch: str | None, sm120: list[str] | None = None) -> str | None:
+    """When a server left to itself would look up another entry than ``--arch`` built.
+
+    FlashInfer names the entry after its arch list; detecting a GPU of SM90 or later it adds a
+    suffix (12.0 -> 12.0a, directory 120a). ``--arch 12.0`` therefore builds an entry that a
+    server without FLASHINFER_CUDA_ARCH_LIST=12.0 in its environment never looks up. ``sm120``
+    is what the installed FlashInfer builds for an SM120 GPU it detects (its own answer: 0.6.7+
+    says 12.0f where nvcc is 12.9 or later): an ``--arch`` for SM120 other than that (12.0a
+    there, or a list of several) is found only by a server that sets the same list."""
     if not arch:
         return None
     plain = [a for a in arch.split() if a[-1].isdigit() and int(a.split(".")[0]) >= 9]
-    if not plain:
+    if plain:
+        suffixed = " ".join(a + "a" if a in plain else a for a in arch.split())
+        return (f"a server that detects its GPUs builds for {suffixed!r} (FlashInfer adds the 'a' from SM90 on) and "
+                f"finds this entry only with FLASHINFER_CUDA_ARCH_LIST={arch!r} in its environment; else use "
+                f"--arch '{suffixed}'")
+    detected = " ".join(sm120 or ())
+    if not detected or not any(a.startswith("12.") for a in arch.split()) or sorted(arch.split()) == sorted(detected.split()):
         return None
-    suffixed = " ".join(a + "a" if a in plain else a for a in arch.split())
-    return (f"a server that detects its GPUs builds for {suffixed!r} (FlashInfer adds the 'a' from SM90 on) and finds "
-            f"this entry only with FLASHINFER_CUDA_ARCH_LIST={arch!r} in its environment; else use --arch '{suffixed}'")
+    sglang = " (SGLang 0.5.4.post3 and later set it themselves on SM120)" if arch == "12.0a" else ""
+    return (f"an SM120 server whose FlashInfer detects its GPUs builds for {detected!r} with this FlashInfer and nvcc, "
+            f"and finds this entry ({arch!r}) only with FLASHINFER_CUDA_ARCH_LIST={arch!r} in its environment{sglang}; "
+            f"else use --arch '{detected}'")
 
 
 def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None, owner: Owner | None,
@@ -192,7 +226,16 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
         how = ("a fresh process regenerated the same build.ninja and ninja had no work to do; the library did not "
                f"load here ({proof.get('load_error')}): a machine without a CUDA driver cannot load it")
     return BuildResult(module, entry, entry.parent.parent.name, elapsed, how, bool(events.get("compiled", True)),
-                       arch_note(arch), libcuda)
+                       arch_note(arch, proof.get("sm120")), libcuda)
+
+
+def sm120_archs(python: Path) -> list[str] | None:
+    """What the FlashInfer in ``python`` builds for an SM120 GPU it detects itself (``["12.0a"]``
+    up to 0.6.6, ``["12.0f"]`` from 0.6.7 where nvcc is 12.9 or later); None where it cannot say.
+    ``build`` gets the same answer from its proof."""
+    env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
+    events, _ = _run(python, {"spec": "", "phase": "sm120"}, env, {}, None)
+    return events.get("sm120")
 
 
 def _remove_partial(events: dict) -> bool:
