@@ -226,3 +226,17 @@ def run_as_nobody(argv: list[str], shared: Path, **env: str) -> subprocess.Compl
     return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv],
                           capture_output=True, text=True, cwd="/",
                           env=dict(os.environ, PYTHONPATH=f"{copy / 'src'}{os.pathsep}{copy / 'deps'}", **env))
+
+
+def readelf_dynamic(library: Path) -> tuple[list[str], list[str]]:
+    """(NEEDED entries, SONAME) of a shared library, as readelf -d prints them."""
+    import re
+
+    text = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", text), re.findall(r"\(SONAME\)\s+Library soname: \[(.+?)\]", text)
+
+
+def undefined(library: Path) -> set[str]:
+    text = subprocess.run(["nm", "-D", "--undefined-only", "--format=just-symbols", str(library)],
+                          capture_output=True, text=True, check=True).stdout
+    return set(text.split())

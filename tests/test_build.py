@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, ServingEnv, Session, changed, one_clear_error, snapshot, tree_snapshot
+from helpers import (ROOT, ServingEnv, Session, changed, one_clear_error, readelf_dynamic, snapshot, tree_snapshot,
+                     undefined)
 from sm120patch.errors import ExitCode
 from sm120patch.jitbuild import arch_note, parse_arch
 from sm120patch.errors import UsageError
@@ -121,77 +122,6 @@ def test_verify_build_reports_a_failed_build(build_env, monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
-
-
-def readelf_dynamic(library: Path) -> tuple[list[str], list[str]]:
-    """(NEEDED entries, SONAME) of a shared library, as readelf -d prints them."""
-    import re
-    import subprocess
-
-    text = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", text), re.findall(r"\(SONAME\)\s+Library soname: \[(.+?)\]", text)
-
-
-def undefined(library: Path) -> set[str]:
-    import subprocess
-
-    text = subprocess.run(["nm", "-D", "--undefined-only", "--format=just-symbols", str(library)],
-                          capture_output=True, text=True, check=True).stdout
-    return set(text.split())
-
-
-@pytest.mark.nvcc
-def test_a_gpu_less_build_links_against_a_stub_made_from_its_objects_then_revert_removes_it(build_env, monkeypatch,
-                                                                                             tmp_path):
-    """An image build: no GPU, no driver, `--arch 12.0a`, and this machine's toolkit (assembled
-    from PyPI's nvidia-cuda-* wheels) has no lib64/stubs/libcuda.so. FlashInfer's JIT compiles
-    every source of the patched trtllm_comm for sm_120a (minutes); the link, which needs
-    libcuda, is done again against a stub sm120patch makes from the objects' driver calls. The
-    module records NEEDED libcuda.so.1 exactly when it calls the driver (what the GPU server's
-    driver then provides), leaves the driver functions the objects call undefined, and revert
-    removes the entry."""
-    from sm120patch.jitbuild import cuda_home, driver_symbols, libcuda_for_link
-    from sm120patch.ptx import find_nvcc
-
-    from helpers import need
-
-    need(find_nvcc() is not None, "nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
-    # The toolkit's root, as a user sets it where FlashInfer's guess (two levels above the nvcc on
-    # PATH: here a wrapper script in /usr/local/bin) is not one.
-    roots = [r for r in (cuda_home(), Path("/usr/local/cuda")) if (r / "lib64" / "libcudart.so").exists()]
-    need(bool(roots), "no CUDA toolkit root with lib64/libcudart.so")
-    monkeypatch.setenv("CUDA_HOME", str(roots[0]))
-    session = Session(build_env)
-    entry = build_env.jit_entry("120a", "trtllm_comm")
-    try:
-        result = session("apply", "--flashinfer", "--build", "--arch", "12.0a")
-        assert result.exit_code == 0, result.output
-        assert "built trtllm_comm for 120a" in result.output and (entry / "trtllm_comm.so").exists()
-        stub_used = libcuda_for_link().kind == "none"
-        assert ("linked against a libcuda stub sm120patch made for this link alone" in result.output) is stub_used
-        needed, _ = readelf_dynamic(entry / "trtllm_comm.so")
-        calls = set(driver_symbols(sorted(entry.rglob("*.o"))))
-        print(f"\ntrtllm_comm's objects call {len(calls)} driver function(s) directly: {sorted(calls)}; NEEDED {needed}")
-        # The linker records libcuda.so.1 when the module calls the driver (it drops a library
-        # nothing uses, with or without the stub); the runtime is always there.
-        assert ("libcuda.so.1" in needed) == bool(calls) and "libcudart.so.13" in needed, needed
-        assert calls <= undefined(entry / "trtllm_comm.so")
-        assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("sm120patch-libcuda-*"))  # the stub is gone
-        # Where the linker finds a libcuda (NVIDIA's images put the toolkit's stubs on LIBRARY_PATH),
-        # the same link (ninja redoes it alone) uses that one, and sm120patch makes none.
-        from sm120patch.jitbuild import build_stub
-
-        image_stubs = tmp_path / "image-stubs"
-        image_stubs.mkdir()
-        build_stub(sorted(calls), image_stubs)
-        monkeypatch.setenv("LIBRARY_PATH", str(image_stubs))
-        (entry / "trtllm_comm.so").unlink()
-        again = session("build", "--arch", "12.0a")
-        assert again.exit_code == 0 and (entry / "trtllm_comm.so").exists(), again.output
-        assert "stub sm120patch made" not in again.output
-    finally:
-        assert session("revert").exit_code == 0
-    assert not entry.exists()
 
 
 def test_a_stub_links_like_the_driver_and_defines_nothing_of_cudart(tmp_path):
