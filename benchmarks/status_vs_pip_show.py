@@ -13,6 +13,7 @@ Prints a Markdown table per environment.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import statistics
@@ -25,9 +26,15 @@ from pathlib import Path
 from sm120patch.wheels import fetch_wheel
 
 
+# Both commands as users run them: from bytecode. Where PYTHONDONTWRITEBYTECODE is set (some
+# CI and sandbox machines set it) every run would compile each module it imports from source
+# instead, which measures the compiler: status took 0.14 s that way here, 0.086 s from bytecode.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def timed(argv: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     return time.perf_counter() - start
 
 
