@@ -17,7 +17,7 @@ from sm120patch.fileops import prune
 from sm120patch.journal import journal_at, leftover_runs, read_journal
 from sm120patch.locks import install_locks
 from sm120patch.pipeline import Located, Request, locate, status
-from sm120patch.plan import plan_apply, plan_revert
+from sm120patch.plan import Plan, plan_apply, plan_revert
 from sm120patch.reports import ChangeReport, Left, Result
 from sm120patch.state import Owner, state_root, temporaries
 from sm120patch.transaction import recover
@@ -115,11 +115,9 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
                 tree.refuse_unwritable(plan)
             plans.append(plan)
             report.results.append(_planned(plan))
-        report.aot = _aot(located)
+        _write_or_preview(report, located, request, plans, operation="apply")
         if request.dry_run:
-            preview(report, _write_target(located, request), plans, operation="apply")
             return report
-        write(report, _write_target(located, request), plans, operation="apply")
     if request.build and signals.late() is None:  # after the lock: FlashInfer's own lock guards a build
         try:
             # A build takes minutes: a signal may end it, even after the commit point. Once it
@@ -218,12 +216,16 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                 continue
             plans.append(plan)
             report.results.append(_planned(plan))
-        report.aot = _aot(located)
-        if request.dry_run:
-            preview(report, _write_target(located, request), plans, operation="revert")
-            return report
-        write(report, _write_target(located, request), plans, operation="revert")
+        _write_or_preview(report, located, request, plans, operation="revert")
     return report
+
+
+def _write_or_preview(report: ChangeReport, located: Located, request: Request, plans: list[Plan], *,
+                      operation: str) -> None:
+    """The plans written as one unit, or (a dry run) shown: the same target either way, so that a
+    dry run refuses what the run would refuse."""
+    report.aot = _aot(located)
+    (preview if request.dry_run else write)(report, _write_target(located, request), plans, operation=operation)
 
 
 def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -> None:
