@@ -128,18 +128,11 @@ def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
     yield from _runtime_env(tmp_path_factory, "runtime", [flashinfer_wheel, sglang_wheel])
 
 
-@pytest.fixture(scope="session")
-def build_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
-    """Another such environment, for test_build.py: its minutes-long compile runs beside the
-    runtime environment's tests (another pytest-xdist worker), not after them."""
-    yield from _runtime_env(tmp_path_factory, "build", [flashinfer_wheel, sglang_wheel])
-
-
 # Tests that need the real upstream wheels (or torch, or a download), and the fault-injection
 # sweeps (minutes of strace): `make check` leaves them out and runs the rest in well under a
 # minute; `make test` runs everything.
 WHEEL_FIXTURES = {"flashinfer_wheel", "sglang_wheel", "wheel_cache", "pristine_template", "serving_env", "sm120patch",
-                  "read_only_env", "read_only_cli", "runtime_env", "build_env", "sandboxes"}
+                  "read_only_env", "read_only_cli", "runtime_env", "sandboxes"}
 NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py")
 
 
@@ -147,8 +140,12 @@ NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py"
 # pytest-xdist (`make test` runs -n auto) they all go to one worker, in the order one process
 # runs them, so the environment is made once. The fault-injection sweeps are spread one test
 # at a time; every other file stays on one worker (its module fixtures are made once).
-RUNTIME_FILES = ("test_bench.py", "test_fusion_paths.py", "test_verify.py")
+RUNTIME_FILES = ("test_bench.py", "test_build.py", "test_fusion_paths.py", "test_verify.py")
 SPREAD_FILES = ("test_fault_injection.py",)
+# The longest work first, so that neither worker is left with minutes of it at the end while the
+# other idles: the container test's image build (minutes of nvcc), the sweeps (each most of a
+# minute), the runtime environment's files; every other file after them, in collection order.
+FIRST = ("test_containers.py", "test_fault_injection.py", *RUNTIME_FILES)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -158,6 +155,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.wheels)
         if "runtime_env" in fixtures and item.path.name not in RUNTIME_FILES:
             raise pytest.UsageError(f"{item.nodeid} uses runtime_env: add {item.path.name} to RUNTIME_FILES")
+    # A stable sort: each file's tests keep their order.
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -165,6 +164,12 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            # Work is handed out in the order above (the longest first), not pytest-xdist's default
+            # of the scopes with the most tests first, which left the single-test sweeps for last.
+            config.option.loadscopereorder = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             name = path.rsplit("/", 1)[-1]

@@ -76,8 +76,8 @@ def test_a_target_without_torch_is_a_failed_build_and_the_patch_stays(sm120patch
     assert sm120patch("status").exit_code == ExitCode.OK
 
 
-def test_no_gpu_and_no_arch_says_to_pass_arch(build_env):
-    session = Session(build_env)
+def test_no_gpu_and_no_arch_says_to_pass_arch(runtime_env):
+    session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
     try:
         result = session("build")
@@ -88,37 +88,37 @@ def test_no_gpu_and_no_arch_says_to_pass_arch(build_env):
         assert session("revert").exit_code == 0
 
 
-def test_a_failed_build_leaves_no_half_written_entry(build_env, monkeypatch, tmp_path):
+def test_a_failed_build_leaves_no_half_written_entry(runtime_env, monkeypatch, tmp_path):
     """The compiler is missing: FlashInfer's ninja run fails; exit 1, its last lines shown, and
     the cache entry the build had started is gone."""
-    session = Session(build_env)
+    session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
-    monkeypatch.setenv("PATH", f"{build_env.root / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("build", "--arch", "12.0a")
         assert result.exit_code == ExitCode.NOT_OK, result.output
         one_clear_error(result.output, "FlashInfer's JIT build of trtllm_comm failed")
         assert "the half-built entry was removed" in result.output
-        assert not build_env.jit_entry("120a", "trtllm_comm").exists()
+        assert not runtime_env.jit_entry("120a", "trtllm_comm").exists()
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
 
 
-def test_verify_build_reports_a_failed_build(build_env, monkeypatch, tmp_path):
+def test_verify_build_reports_a_failed_build(runtime_env, monkeypatch, tmp_path):
     """`verify --build` through the CLI: FlashInfer's build in a temporary workspace; without a
     compiler it fails, and verify says so (exit 1) and leaves the server's cache alone."""
-    session = Session(build_env)
+    session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
-    before = snapshot(build_env)
+    before = snapshot(runtime_env)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
-    monkeypatch.setenv("PATH", f"{build_env.root / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("verify", "--build")
         assert result.exit_code == ExitCode.NOT_OK
         assert "FAIL  build" in result.output and "trtllm_comm JIT build (12.0a)" in result.output
-        assert changed(before, snapshot(build_env)) == []
+        assert changed(before, snapshot(runtime_env)) == []
     finally:
         monkeypatch.undo()
         assert session("revert").exit_code == 0
@@ -215,7 +215,7 @@ print(json.dumps([str(env.FLASHINFER_JIT_DIR), CompilationContext().get_nvcc_fla
 """
 
 
-def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(build_env, tmp_path):
+def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(runtime_env, tmp_path):
     import json
     import os
     import subprocess
@@ -224,7 +224,7 @@ def test_an_image_build_for_12_0a_lands_where_an_sm120_server_looks(build_env, t
     env["FLASHINFER_WORKSPACE_BASE"] = str(tmp_path)
     derived = {}
     for how, extra in (("detected", {}), ("--arch", {"FLASHINFER_CUDA_ARCH_LIST": parse_arch("12.0a")})):
-        out = subprocess.run([str(build_env.python), "-c", _DERIVED, how], env=dict(env, **extra),
+        out = subprocess.run([str(runtime_env.python), "-c", _DERIVED, how], env=dict(env, **extra),
                              capture_output=True, text=True, check=True).stdout
         derived[how] = json.loads(out.splitlines()[-1])
     assert derived["detected"] == derived["--arch"]
@@ -356,7 +356,7 @@ def _running(pid: int) -> bool:
 @pytest.mark.parametrize("command, signal_name, whom", [("build", "SIGTERM", "sm120patch"),
                                                        ("build", "SIGINT", "its process group"),
                                                        ("verify --build", "SIGTERM", "sm120patch")])
-def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(build_env, tmp_path, command, signal_name,
+def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(runtime_env, tmp_path, command, signal_name,
                                                                              whom):
     """`build` (and `verify --build`, in its temporary workspace) while nvcc runs: SIGTERM to
     the sm120patch process alone (systemd, Ansible), or SIGINT to its whole process group
@@ -371,13 +371,13 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(bui
 
     from helpers import sm120patch_argv
 
-    session = Session(build_env)
+    session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
     cuda, pids, marker = _slow_cuda_home(tmp_path)
-    entry = build_env.jit_entry("120a", "trtllm_comm")
-    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{build_env.root / 'bin'}:/usr/bin:/bin")
-    argv = (sm120patch_argv(build_env, "build", "--arch", "12.0a") if command == "build" else
-            [sys.executable, "-m", "sm120patch", "verify", "--python", str(build_env.python), "--build"])
+    entry = runtime_env.jit_entry("120a", "trtllm_comm")
+    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
+            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
