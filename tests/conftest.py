@@ -109,23 +109,19 @@ RUNTIME_REQUIREMENTS = ["torch==2.13.0", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0
                         "numpy", "tqdm", "requests", "einops", "tabulate", "click", "nvidia-ml-py", "filelock"]
 
 
-def _runtime_env(tmp_path_factory, name: str, wheels: list[Path]):
-    root = tmp_path_factory.mktemp(name) / "venv"
-    python = make_venv(root, wheels)
+@pytest.fixture(scope="session")
+def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
+    """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
+    dependencies it needs, then the real wheels without dependencies): one per test session,
+    removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
+    root = tmp_path_factory.mktemp("runtime") / "venv"
+    python = make_venv(root, [flashinfer_wheel, sglang_wheel])
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
                     "--disable-pip-version-check", *RUNTIME_REQUIREMENTS], check=True)
     home = root.parent / "home"
     home.mkdir()
     yield ServingEnv(root, home)
     shutil.rmtree(root.parent, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
-    """A serving environment that can import flashinfer.jit.comm (torch CPU and the few
-    dependencies it needs, then the real wheels without dependencies): one per test session,
-    removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
-    yield from _runtime_env(tmp_path_factory, "runtime", [flashinfer_wheel, sglang_wheel])
 
 
 # Tests that need the real upstream wheels (or torch, or a download), and the fault-injection
@@ -145,7 +141,7 @@ SPREAD_FILES = ("test_fault_injection.py",)
 # The longest work first, so that neither worker is left with minutes of it at the end while the
 # other idles: the container test's image build (minutes of nvcc), the sweeps (each most of a
 # minute), the runtime environment's files; every other file after them, in collection order.
-FIRST = ("test_containers.py", "test_fault_injection.py", *RUNTIME_FILES)
+FIRST = ("test_containers.py", *SPREAD_FILES, *RUNTIME_FILES)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -167,7 +163,8 @@ def pytest_xdist_make_scheduler(config, log):
         def __init__(self, config, log=None):
             super().__init__(config, log)
             # Work is handed out in the order above (the longest first), not pytest-xdist's default
-            # of the scopes with the most tests first, which left the single-test sweeps for last.
+            # of the scopes with the most tests first, which left the single-test sweeps for last
+            # (the switch is pytest-xdist 3.8's: pyproject.toml requires it).
             config.option.loadscopereorder = False
 
         def _split_scope(self, nodeid: str) -> str:
