@@ -1,16 +1,10 @@
-# The server side of tuned limits: the code the opt-in patch `tuned-limits` inserts, as it is, into
-# a server's own module (SGLang's fusion predicate, vLLM's fusion tables), so that the server reads
-# the profile `sm120patch bench --tune` wrote without sm120patch installed beside it. Every name
-# starts with _sm120patch_ so that none meets a name of the module it lands in. Standard library
-# only, imported inside the functions; Python 3.8 syntax (the servers' floor).
-#
-# sm120patch itself imports this module (tunedlimits.py): the box's fingerprint, the profile's
-# checks and the decisions are computed by this one text in the tuner, in `status` and in the
-# server, so the three cannot disagree.
-#
-# A profile never stops a server: no profile, an unreadable or malformed one, one made on another
-# box, for other releases or another TP size, or a GPU that is not SM120, and the server decides
-# exactly as the release (with sm120patch's gate patches) does; it logs one line saying which.
+# sm120patch tuned-limits (an opt-in patch: `sm120patch apply --with tuned-limits`; `sm120patch revert`
+# removes it). On SM120 the server takes its fusion limits from the profile `sm120patch bench --tune`
+# measured on this box (one-shot up to A bytes per rank, two-shot up to B, unfused beyond) instead of
+# the limits upstream tuned on NVLink B200s. A profile never stops the server: without one, or with
+# one that is unreadable, malformed, made on another box, for other releases or another TP size, the
+# server decides exactly as it does with sm120patch's other patches, and says why in one log line.
+# Standard library only, imported inside the functions; Python 3.8 syntax.
 
 _SM120PATCH_PROFILE_FORMAT = 1
 _SM120PATCH_PROFILE_DEFAULT = "/etc/sm120patch/tuned-limits.json"
@@ -19,7 +13,10 @@ _SM120PATCH_PROFILE_DEFAULT = "/etc/sm120patch/tuned-limits.json"
 _SM120PATCH_NCCL_KEYS = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_ALGO", "NCCL_PROTO",
                          "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "NCCL_P2P_USE_CUDA_MEMCPY")
 _SM120PATCH_ITEMSIZE = {"bf16": 2, "fp16": 2}
-_SM120PATCH_SEEN = {}  # (server, world size) -> the limits in force, or None: read once per process
+# FlashInfer's one-shot rule (comm/trtllm_ar.py _use_oneshot_heuristics, the same 0.6.4-0.7.4): one-shot
+# while tokens * hidden * 2 * world * itemsize is at most this many MiB.
+_SM120PATCH_ONESHOT_RULE_MIB = {2: 512, 4: 64, 8: 42}
+_SM120PATCH_SEEN = {}  # TP size (SGLang) or "vllm" -> the limits in force, or None: decided once per process
 
 
 def _sm120patch_profile_path():
@@ -201,6 +198,13 @@ def _sm120patch_tuned_limits(world_size):
     return _SM120PATCH_SEEN[world_size]
 
 
+def _sm120patch_sglang_tp_size():
+    """SGLang's tensor-parallel size (its fusion runs on the TP group; with DP attention it never fuses)."""
+    from sglang.srt.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
 def _sm120patch_fused_max_tokens(release_max, world_size):
     """SGLang: the largest batch (tokens) to fuse: the release's cap, or the profile's fused limit
     at the hidden size and dtype it was tuned for, whichever is smaller."""
@@ -216,9 +220,11 @@ def _sm120patch_use_oneshot(use_oneshot, token_num, message_bytes, world_size):
     if use_oneshot is not None:
         return use_oneshot
     entry = _sm120patch_tuned_limits(world_size)
-    if entry is None:
+    if entry is None or world_size not in _SM120PATCH_ONESHOT_RULE_MIB:
         return None
-    return message_bytes <= entry["oneshot_max_bytes"] or token_num <= world_size
+    # Never one-shot where FlashInfer's own rule would not: the workspace is sized by that rule.
+    rule = message_bytes * 2 * world_size <= _SM120PATCH_ONESHOT_RULE_MIB[world_size] * 1024 * 1024
+    return (message_bytes <= entry["oneshot_max_bytes"] and rule) or token_num <= world_size
 
 
 def _sm120patch_tuned_row(kind, row):

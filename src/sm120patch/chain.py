@@ -18,7 +18,9 @@ The steps, in the order a start-up meets them (their ids are also the ``step`` o
                   (``[[fusion_chain.auto_enable]]``), within its limits
 ``workspace``     the workspace path on a GPU without multicast (``fusionpath.judge``)
 ``jit``           the JIT entry: built, stale, shadowed by a prebuilt module, or built on first use
-``tp``            what the TP size does (``[fusion_chain] tp``): advice, never a block
+``tp``            which limits the server fuses by: tuned on this box (the profile `bench --tune`
+                  wrote, read by the opt-in patch tuned-limits) or the release's own
+                  (``[fusion_chain] untuned``): advice, never a block
 
 Each step is ``ok``, ``blocks`` or ``unknown``, with its reason and, where it blocks, the
 command that fixes it. The headline is one sentence; it never says "will fuse" while any step
@@ -31,6 +33,7 @@ import enum
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from sm120patch.fusionpath import FusionVerdict, judge
+from sm120patch.tunedlimits import PATCH_ID as TUNED
 
 if TYPE_CHECKING:
     from sm120patch.assess import Assessment
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
     from sm120patch.driver import DriverFacts
     from sm120patch.environment import InstalledDistribution
     from sm120patch.jitcache import AotShadow, JitStatus
+    from sm120patch.tunedlimits import Profile
 
 STEPS = ("device", "kernel-gates", "server-gates", "requested", "workspace", "jit", "tp")
 SM120_MAJOR = 12  # compute capability 12.x: RTX PRO 6000 Blackwell, RTX 5090 (and DGX Spark's 12.1)
@@ -68,6 +72,8 @@ class Commands(NamedTuple):
     bench: str
     status: str
     diff: str
+    tune: str = ""  # bench --tune: measures where fusion wins on these GPUs and writes the profile
+    apply_tuned: str = ""  # apply --with tuned-limits: the server keeps to the profile
 
 
 class Chain(NamedTuple):
@@ -139,19 +145,21 @@ def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
     jit = item.step("jit")
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
+    # Measuring comes before the restart: the release's own limits were tuned for NVLink.
+    tune = item.step("tp").note
     return ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
-        start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
+        (tune,) if tune else ()) + (start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
 
 
 def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDistribution | None, *,
              jit: JitStatus | None, aot: Sequence[AotShadow], assessed: Sequence[Assessment],
-             commands: Commands, device: DriverFacts | None = None) -> Chain:
+             commands: Commands, device: DriverFacts | None = None, profile: Profile | None = None) -> Chain:
     """The chain of the server ``server``. ``kernels``: the assessment of the distribution it
     fuses with, when this run assessed it (None: not installed, or left out by a selector);
     ``other``: that distribution as installed; ``jit``: its JIT entries; ``aot``: prebuilt
     modules that shadow its sources; ``assessed``: every assessment of this run (the workspace
     step reads the patches applied to each); ``device``: the driver's answers (doctor), None
-    where they were not read (status)."""
+    where they were not read (status); ``profile``: the tuned-limits profile as it holds here."""
     distribution = server.distribution
     version = server.tree.version
     applied = {a.name: a.applied_ids for a in assessed}
@@ -165,7 +173,7 @@ def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDis
         _requested(server),
         workspace_step(fusion, device, commands),
         _jit(kernels, jit, aot, commands),
-        _tp(distribution, server, commands),
+        _tp(distribution, server, commands, profile),
     ]
     upstream = ""
     if device is not None and device.devices:
@@ -313,6 +321,33 @@ def _jit(kernels: Assessment | None, jit: JitStatus | None, aot: Sequence[AotSha
     return Step("jit", StepResult.OK, f"{module} built in {jit.base.cache_dir} for {archs}")
 
 
-def _tp(distribution: Distribution, server: Assessment, commands: Commands) -> Step:
-    text = distribution.tp_advice.replace("{bench}", commands.bench) if distribution.tp_advice else "no TP limit known"
-    return Step("tp", StepResult.OK, text)
+def _tp(distribution: Distribution, server: Assessment, commands: Commands, profile: Profile | None) -> Step:
+    """Which limits the server fuses by: tuned on this box (the profile, read by the opt-in patch
+    tuned-limits) or the release's own, tuned for NVLink; advice, never a block. ``note`` holds
+    what to run next, as it can be copied."""
+    applied = TUNED in (server.applied_ids or frozenset())
+    offered = server.patch_set is not None and any(p.id == TUNED for p in server.patch_set.patches)
+    untuned = distribution.tp_untuned or distribution.tp_advice
+    usable = profile is not None and profile.usable
+    if applied and usable:
+        where = f"tuned on this box ({profile.path}, {profile.entries[0].created}): " + "; ".join(e.words() for e in profile.entries)
+        never = [e for e in profile.entries if e.fused_max_bytes == 0 and e.verdict]
+        text = where + "".join(f"; TP{e.tp}: {e.verdict}" for e in never) + "; other TP sizes: the release's own limits"
+        unchecked = sorted({n for e in profile.entries for n in e.unchecked})
+        if unchecked:
+            text += f" (the server also checks {', '.join(unchecked)} and its NCCL settings against the profile)"
+        return Step("tp", StepResult.OK, text)
+    why = (profile.problem or "; ".join(profile.others) or "no TP size") if profile is not None else "not read"
+    if applied:
+        return Step("tp", StepResult.OK, f"tuned-limits applied, but no profile holds here ({why}): the server keeps "
+                    f"the release's own limits ({untuned})", note=f"`{commands.tune}` measures where fusion wins here"
+                    if commands.tune else "")
+    if usable and offered:
+        return Step("tp", StepResult.OK, f"untuned: a profile holds for this box ({'; '.join(e.words() for e in profile.entries)}), "
+                    f"but {server.name} {server.raw_version} reads it only with tuned-limits applied ({untuned})",
+                    note=f"`{commands.apply_tuned}` makes the server keep to it" if commands.apply_tuned else "")
+    text = f"untuned: {untuned}" if offered else (untuned or "no TP limit known")
+    note = ""
+    if offered and commands.tune:
+        note = f"`{commands.tune}` measures where fusion wins on these GPUs; then `{commands.apply_tuned}`"
+    return Step("tp", StepResult.OK, text.replace("{bench}", commands.bench), note=note)

@@ -256,6 +256,7 @@ class Distribution(NamedTuple):
     auto_enables: tuple[AutoEnable, ...] = ()
     server_gates: tuple[ServerGate, ...] = ()
     tp_advice: str = ""  # may name {bench}: the bench command for the same target
+    tp_untuned: str = ""  # what the release's own limits do on SM120 over PCIe (the tp step without a profile)
     checkout: CheckoutLayout | None = None
     verify: VerifySpec = VerifySpec()
     directory: Path = Path(".")
@@ -463,7 +464,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         paths.append(FusionPath(specifier(raw["versions"], fwhere), specifier(raw["with"], fwhere), raw["workspace"],
                                 raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
-    auto_enables, server_gates, tp_advice = _fusion_chain(doc, where)
+    auto_enables, server_gates, tp_advice, tp_untuned = _fusion_chain(doc, where)
     if (auto_enables or server_gates or tp_advice) and not paths:
         raise PatchDataError(f"{where}: fusion_chain is for a server (a distribution with fusion_path rows)")
     if paths and not fusion_with:
@@ -498,17 +499,17 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
         not_covered=tuple(not_covered), fusion_flags=tuple(flags),
         fusion_paths=tuple(paths), fusion_with=fusion_with, auto_enables=auto_enables, server_gates=server_gates,
-        tp_advice=tp_advice, checkout=checkout, verify=verify,
+        tp_advice=tp_advice, tp_untuned=tp_untuned, checkout=checkout, verify=verify,
         directory=directory,
     )
 
 
-def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[ServerGate, ...], str]:
+def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[ServerGate, ...], str, str]:
     raw = doc.get("fusion_chain", {})
     cwhere = f"{where}: fusion_chain"
     if not isinstance(raw, dict):
         raise PatchDataError(f"{cwhere} is a table")
-    unknown = set(raw) - {"auto_enable", "server_gate", "tp"}
+    unknown = set(raw) - {"auto_enable", "server_gate", "tp", "untuned"}
     if unknown:
         raise PatchDataError(f"{cwhere}: unknown key(s) {', '.join(sorted(unknown))}")
     autos = []
@@ -523,10 +524,10 @@ def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[
         if not all(isinstance(row.get(key), str) and row[key] for key in ("versions", "patch", "instead")):
             raise PatchDataError(f"{gwhere}: needs versions, patch and instead")
         gates.append(ServerGate(specifier(row["versions"], gwhere), row["patch"], row["instead"]))
-    tp = raw.get("tp", "")
-    if not isinstance(tp, str):
-        raise PatchDataError(f"{cwhere}: tp is a sentence")
-    return tuple(autos), tuple(gates), tp
+    tp, untuned = raw.get("tp", ""), raw.get("untuned", "")
+    if not isinstance(tp, str) or not isinstance(untuned, str):
+        raise PatchDataError(f"{cwhere}: tp and untuned are sentences")
+    return tuple(autos), tuple(gates), tp, untuned
 
 
 def selectors(directory: Path | None = None) -> list[tuple[str, str]]:

@@ -99,6 +99,10 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
             patched = {}
             for size in range(1, len(patches) + 1):
                 for combo in itertools.combinations(patches, size):
+                    ids = {p.id for p in combo}
+                    if any(needed not in ids for p in combo for needed in p.requires
+                           if patch_set.patch(needed).file == relpath):
+                        continue  # a patch without one it requires in the same file: never made
                     # Each patch as today's data has it, and in every older form it ever had
                     # (an environment an earlier sm120patch patched is recognised by these).
                     for forms in itertools.product(*[[None, *(f.form for f in p.formers)] for p in combo]):

@@ -56,6 +56,9 @@ class Patch(NamedTuple):
     upstream: str | None = None
     fixed_in: str | None = None
     formers: tuple[Former, ...] = ()
+    # Opt-in patches this one cannot work without (vLLM 0.29+'s tuned limits wrap the 120 row
+    # that fusion-table adds): `--with` this one applies them too.
+    requires: tuple[str, ...] = ()
 
     def former(self, form: str) -> "Patch":
         """This patch as its older form ``form`` made it (its edits and check): what the
@@ -111,7 +114,15 @@ class PatchSet(NamedTuple):
         if required:
             raise UsageError(f"--with {','.join(required)}: required, so always applied; --with names opt-in patches "
                              f"(for {self.distribution}: {offered})")
-        return tuple(p for p in self.patches if p.required or p.id in with_ids)
+        chosen = set(with_ids)
+        for patch_id in with_ids:  # and what those require, each once
+            pending = list(known[patch_id].requires)
+            while pending:
+                needed = pending.pop()
+                if needed not in chosen:
+                    chosen.add(needed)
+                    pending.extend(known[needed].requires)
+        return tuple(p for p in self.patches if p.required or p.id in chosen)
 
 
 def _require(table: Mapping, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -199,7 +210,16 @@ def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = Tr
             id=patch_id, file=file, required=_require(raw, "required", bool, pwhere),
             summary=_require(raw, "summary", str, pwhere), check=check, edits=edits,
             upstream=raw.get("upstream"), fixed_in=raw.get("fixed_in"), formers=tuple(formers),
+            requires=tuple(_require(raw, "requires", list, pwhere)) if "requires" in raw else (),
         ))
+    ids = {p.id: p for p in patches}
+    for patch in patches:
+        for needed in patch.requires:
+            if needed not in ids or needed == patch.id:
+                raise PatchDataError(f"{where}: patch {patch.id} requires {needed!r}, which is not another patch of this set")
+            if patch.required:
+                raise PatchDataError(f"{where}: patch {patch.id} requires {needed!r}: a required patch is always "
+                                     "applied, so only an opt-in one may require another")
     versions = tuple(require_version(v, where) for v in _require(doc, "versions", list, where))
     if not versions:
         raise PatchDataError(f"{where}: 'versions' is empty")

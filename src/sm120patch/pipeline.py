@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import chain
+from sm120patch import chain, tunedlimits
 from sm120patch.assess import assess, present_by_meaning
 from sm120patch.checkout import CheckoutTree, open_checkout
 from sm120patch.distributions import ANY, Registry, load_registry
@@ -237,7 +237,11 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     by_name = {t.distribution.name: t for t in trees}
     commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
                               doctor=located.command("doctor"), bench=located.command("bench"),
-                              status=located.command("status"), diff=command("diff", located.options[0]))
+                              status=located.command("status"), diff=command("diff", located.options[0]),
+                              tune=located.command("bench --tune"), apply_tuned=located.command("apply --with tuned-limits"))
+    profile = None
+    if any(t.distribution.fusion_paths for t in trees):
+        profile = tunedlimits.read({t.assessment.name: t.assessment.raw_version for t in trees})
     judged = []
     for item in trees:
         d = item.distribution
@@ -245,7 +249,8 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
             kernels = by_name.get(d.fusion_with)
             item = item._replace(chain=chain.evaluate(
                 item.assessment, kernels.assessment if kernels else None, located.env.get(d.fusion_with),
-                jit=kernels.jit if kernels else None, aot=aot, assessed=assessed, commands=commands, device=device))
+                jit=kernels.jit if kernels else None, aot=aot, assessed=assessed, commands=commands, device=device,
+                profile=profile))
         judged.append(item)
     return judged
 

@@ -230,8 +230,56 @@ def vllm_auto_enable(text: str) -> tuple[bool, str]:
     return False, "no SM90 condition in enable_allreduce_rms_fusion"
 
 
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+
+
+def _defines(tree: ast.Module, name: str) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
+@check("tuned-limits")
+def tuned_limits(text: str) -> tuple[bool, str]:
+    """SGLang's fusion predicate caps the batch by the tuned limit, with the profile reader beside it."""
+    tree = ast.parse(text)
+    caps = _calls(tree, "_sm120patch_fused_max_tokens")
+    reader = _defines(tree, "_sm120patch_tuned_limits")
+    return bool(caps) and reader, (f"{counted(len(caps), 'batch cap')} through the tuned limits; the profile reader "
+                                   + ("is" if reader else "is not") + " in the module")
+
+
+@check("tuned-oneshot")
+def tuned_oneshot(text: str) -> tuple[bool, str]:
+    """SGLang's fused call takes its one-shot choice from the tuned limits."""
+    tree = ast.parse(text)
+    passed = [k for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+              if k.arg == "use_oneshot" and isinstance(k.value, ast.Call) and isinstance(k.value.func, ast.Name)
+              and k.value.func.id == "_sm120patch_use_oneshot"]
+    return bool(passed) and _defines(tree, "_sm120patch_use_oneshot"), (
+        f"use_oneshot from the tuned limits at {counted(len(passed), 'call')}")
+
+
+@check("tuned-rows")
+def tuned_rows(text: str) -> tuple[bool, str]:
+    """vLLM's SM120 rows of both fusion tables pass through the tuned limits."""
+    tree = ast.parse(text)
+    wrapped = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id in VLLM_FUSION_TABLES for t in targets) and isinstance(node.value, ast.Dict):
+            for key, value in zip(node.value.keys, node.value.values):
+                if (key is not None and ast.literal_eval(key) == 120 and isinstance(value, ast.Call)
+                        and isinstance(value.func, ast.Name) and value.func.id == "_sm120patch_tuned_row"):
+                    wrapped.append(targets[0].id)
+    reader = _defines(tree, "_sm120patch_tuned_row")
+    return len(wrapped) == len(VLLM_FUSION_TABLES) and reader, (
+        f"SM120 rows through the tuned limits: {', '.join(wrapped) or 'none'}")
+
+
 # Names that sglang patches put into code; each must be bound where it is used.
-INTRODUCED_NAMES = ("is_sm120_supported", "_is_sm120_supported", "torch", "is_cuda", "_is_cuda", "get_platform")
+INTRODUCED_NAMES = ("is_sm120_supported", "_is_sm120_supported", "torch", "is_cuda", "_is_cuda", "get_platform",
+                    "_sm120patch_fused_max_tokens", "_sm120patch_sglang_tp_size", "_sm120patch_use_oneshot",
+                    "_sm120patch_tuned_row")
 
 
 def unbound_names(text: str) -> list[str]:

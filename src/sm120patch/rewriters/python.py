@@ -494,3 +494,197 @@ class ReplaceStatements(LibcstRewriter):
                 return updated_node.with_changes(body=body)
 
         return Transformer(self.args["function"])
+
+
+@register
+class ReplaceExpression(LibcstRewriter):
+    """Inside ``function`` (a method's name will do), every expression equal by meaning to ``old``
+    becomes ``new``. ``new`` may hold ``old`` itself (a limit passed through a function): an
+    expression equal to ``new`` is an applied site, and what is inside it is not looked at."""
+
+    name = "python.replace-expression"
+    description = "Replace an expression, matched by meaning inside one function, by another (which may wrap it)."
+    params = {"function": str, "old": str, "new": str}
+    expression_params = ("old", "new")
+
+    def what(self) -> str:
+        return f"'{self.args['old']}' in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        old = _code(cst.parse_expression(self.args["old"]))
+        new_node = cst.parse_expression(self.args["new"])
+        new = _code(new_node)
+
+        class Transformer(_SiteTransformer):
+            def on_visit(self, node: cst.CSTNode) -> bool:
+                if isinstance(node, cst.BaseExpression) and self.in_scope and _code(node) == new:
+                    self.applied += 1
+                    return False
+                return super().on_visit(node)
+
+            def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode):
+                result = super().on_leave(original_node, updated_node)
+                if (isinstance(original_node, cst.BaseExpression) and self.in_scope
+                        and _code(original_node) == old):
+                    self.found += 1
+                    return new_node
+                return result
+
+        return Transformer(self.args["function"])
+
+
+@register
+class ReplaceArgument(LibcstRewriter):
+    """Inside ``function``, in each call to one of ``calls`` (dotted names as written:
+    ``_flashinfer_comm.allreduce_fusion``, ``dict``), the keyword argument ``keyword=old``
+    becomes ``keyword=new``."""
+
+    name = "python.replace-argument"
+    description = "Replace one keyword argument's value in the calls to given functions inside one function."
+    params = {"function": str, "calls": list, "keyword": str, "old": str, "new": str}
+    expression_params = ("old", "new")
+
+    def what(self) -> str:
+        return f"{self.args['keyword']}={self.args['old']} in a call to {' or '.join(self.args['calls'])} in {self.args['function']}()"
+
+    def transformer(self) -> _SiteTransformer:
+        calls, keyword = set(self.args["calls"]), self.args["keyword"]
+        old = _code(cst.parse_expression(self.args["old"]))
+        new_node = cst.parse_expression(self.args["new"])
+        new = _code(new_node)
+
+        class Transformer(_SiteTransformer):
+            def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.Call:
+                if not self.in_scope or _code(updated_node.func) not in calls:
+                    return updated_node
+                args = list(updated_node.args)
+                for index, arg in enumerate(args):
+                    if arg.keyword is None or arg.keyword.value != keyword:
+                        continue
+                    if _code(arg.value) == new:
+                        self.applied += 1
+                    elif _code(arg.value) == old:
+                        self.found += 1
+                        args[index] = arg.with_changes(value=new_node)
+                return updated_node.with_changes(args=args)
+
+        return Transformer(self.args["function"])
+
+
+@register
+class WrapDictEntry(LibcstRewriter):
+    """In the module-level dict literal assigned to ``variable``, the value of the entry ``key``
+    becomes ``wrap`` with its name ``VALUE`` standing for the value as it was
+    (``_limits("fused", VALUE)``)."""
+
+    name = "python.wrap-dict-entry"
+    description = "Pass one entry's value of a module-level dict literal through an expression (VALUE: the value)."
+    params = {"variable": str, "key": str, "wrap": str}
+    expression_params = ("key", "wrap")
+
+    def validate(self) -> None:
+        super().validate()
+        if "VALUE" not in self.args["wrap"]:
+            raise PatchDataError(f"rewriter {self.name}: wrap must name VALUE, the entry's value: {self.args['wrap']!r}")
+
+    def what(self) -> str:
+        return f"key {self.args['key']} of the dict {self.args['variable']}"
+
+    def transformer(self) -> _SiteTransformer:
+        variable = self.args["variable"]
+        key = _code(cst.parse_expression(self.args["key"]))
+        wrap = cst.parse_expression(self.args["wrap"])
+
+        def wrapped(value: cst.BaseExpression) -> cst.BaseExpression:
+            class Fill(cst.CSTTransformer):
+                def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+                    return value if updated_node.value == "VALUE" else updated_node
+
+            return wrap.visit(Fill())
+
+        class Transformer(_SiteTransformer):
+            def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+                return self._wrap_in(updated_node, [t.target for t in updated_node.targets])
+
+            def leave_AnnAssign(self, original_node: cst.AnnAssign, updated_node: cst.AnnAssign) -> cst.AnnAssign:
+                return self._wrap_in(updated_node, [updated_node.target])
+
+            def _wrap_in(self, node, targets):
+                if not any(isinstance(t, cst.Name) and t.value == variable for t in targets):
+                    return node
+                if not isinstance(node.value, cst.Dict):
+                    return node
+                elements = list(node.value.elements)
+                for index, element in enumerate(elements):
+                    if not isinstance(element, cst.DictElement) or _code(element.key) != key:
+                        continue
+                    # Applied: the value already has the wrap's shape around some value.
+                    if isinstance(element.value, cst.Call) and _code(element.value.func) == _code(getattr(wrap, "func", wrap)):
+                        self.applied += 1
+                    else:
+                        self.found += 1
+                        elements[index] = element.with_changes(value=wrapped(element.value))
+                return node.with_changes(value=node.value.with_changes(elements=elements))
+
+        return Transformer()
+
+
+@register
+class InsertModuleCode(LibcstRewriter):
+    """Before the module-level statement that binds ``before`` (an assignment, a ``def`` or a
+    ``class``), insert the module-level code sm120patch ships under the name ``source``
+    (``tuned-limits``: ``sm120patch/_tuned_runtime.py``, the server side of tuned limits).
+    Applied: the module already defines the code's first function."""
+
+    name = "python.insert-module-code"
+    description = "Insert a block of module-level code that sm120patch ships, before the statement that binds a name."
+    params = {"source": str, "before": str}
+    SOURCES = {"tuned-limits": "_tuned_runtime.py"}
+
+    def validate(self) -> None:
+        if self.args["source"] not in self.SOURCES:
+            raise PatchDataError(f"rewriter {self.name}: unknown source {self.args['source']!r} "
+                                 f"(known: {', '.join(sorted(self.SOURCES))})")
+
+    def what(self) -> str:
+        return f"the module-level statement that binds {self.args['before']}"
+
+    def code(self) -> cst.Module:
+        from pathlib import Path
+
+        text = (Path(__file__).resolve().parent.parent / self.SOURCES[self.args["source"]]).read_text(encoding="utf-8")
+        return cst.parse_module(text)
+
+    def transformer(self) -> _SiteTransformer:
+        before = self.args["before"]
+        code = self.code()
+        first_def = next(s.name.value for s in code.body if isinstance(s, cst.FunctionDef))
+        header = code.header  # the block's own comments (what it is, whose it is) open it
+
+        def binds(node: cst.CSTNode) -> bool:
+            if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+                return node.name.value == before
+            if not isinstance(node, cst.SimpleStatementLine):
+                return False
+            for small in node.body:
+                targets = ([t.target for t in small.targets] if isinstance(small, cst.Assign)
+                           else [small.target] if isinstance(small, (cst.AnnAssign, cst.AugAssign)) else [])
+                if any(isinstance(t, cst.Name) and t.value == before for t in targets):
+                    return True
+            return False
+
+        class Transformer(_SiteTransformer):
+            def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+                body = list(updated_node.body)
+                if any(isinstance(node, cst.FunctionDef) and node.name.value == first_def for node in body):
+                    self.applied += 1
+                    return updated_node
+                positions = [i for i, node in enumerate(body) if binds(node)]
+                self.found += len(positions)
+                for i in reversed(positions):
+                    block = list(code.body)
+                    block[0] = block[0].with_changes(leading_lines=(*header, *block[0].leading_lines))
+                    body[i:i] = block
+                return updated_node.with_changes(body=body)
+
+        return Transformer()
