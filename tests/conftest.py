@@ -136,7 +136,7 @@ NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py"
 # pytest-xdist (`make test` runs -n auto) they all go to one worker, in the order one process
 # runs them, so the environment is made once. The fault-injection sweeps are spread one test
 # at a time; every other file stays on one worker (its module fixtures are made once).
-RUNTIME_FILES = ("test_bench.py", "test_build.py", "test_fusion_paths.py", "test_verify.py")
+RUNTIME_FILES = ("test_bench.py", "test_build.py", "test_fusion_paths.py", "test_tuned_limits.py", "test_verify.py")
 SPREAD_FILES = ("test_fault_injection.py",)
 # The longest work first, so that neither worker is left with minutes of it at the end while the
 # other idles: the container test's image build (minutes of nvcc), the sweeps (each most of a

@@ -159,11 +159,50 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
     assert status[-1] == f"next: `{commands(sm120patch, 'apply')}`"
     applied = sm120patch("apply")
     assert applied.exit_code == 0
-    last = applied.output.splitlines()[-3:]
+    last = applied.output.splitlines()[-4:]
     assert last == [f"next: 1. `{commands(sm120patch, 'build')}` (compiles trtllm_comm now, so that the start does not)",
-                    f"      2. restart the server with `{FLAG}`",
-                    "      3. check-log on its log says whether it fused (`sm120patch check-log --help`)"]
-    assert all(len(line) <= 100 for line in last[1:]), last  # the prose; a command is never wrapped
+                    f"      2. `{commands(sm120patch, 'bench --tune')}` (measures where fusion wins on these GPUs; "
+                    "`apply --with tuned-limits` then keeps the server to it)",
+                    f"      3. restart the server with `{FLAG}`",
+                    "      4. check-log on its log says whether it fused (`sm120patch check-log --help`)"]
+    assert all(len(line) <= 100 for line in last[2:]), last  # the prose; a command is never wrapped
     assert run_cli("check-log", "--help").exit_code == 0
     assert sm120patch("status").output.splitlines()[-3:] == last
     assert json.loads(sm120patch("status", "--json").output)["next"] == [line[9:] for line in last]
+
+
+def test_the_tp_step_says_which_limits_are_in_force(sm120patch, tmp_path, monkeypatch):
+    """Untuned (what the release's own limits do, and the command that measures), a profile that
+    holds but is not read, tuned (the limits, where from), tuned-limits applied without a profile."""
+    from sm120patch import _tuned_runtime
+
+    profile = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(profile))
+
+    def tp() -> dict:
+        return next(s for s in fusion_of(sm120patch)["steps"] if s["id"] == "tp")
+
+    untuned = tp()
+    assert untuned["result"] == "ok"
+    assert untuned["text"].startswith("untuned: SGLang fuses every batch of up to 2048 tokens")
+    assert untuned["note"].startswith(f"`{commands(sm120patch, 'bench --tune')}` (measures where fusion wins")
+    software = {"flashinfer-python": FLASHINFER_VERSION, "sglang": SGLANG_VERSION, "torch": "2.11.0+cu130"}
+    entry = {"created": "2026-12-05T01:30:00Z", "software": software, "nccl_env": {}, "dtype": "bf16", "hidden": 4096,
+             "fused_max_bytes": 64 * 4096 * 2, "oneshot_max_bytes": 16 * 4096 * 2}
+    profile.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1,
+                                   "box": _tuned_runtime._sm120patch_box(), "entries": {"4": entry}}))
+    limits = "TP4: fused up to 512 KiB per rank (64 tokens at hidden 4096, bf16), one-shot up to 128 KiB"
+    held = tp()
+    assert held["text"].startswith(f"untuned: a profile holds for this box ({limits}), but sglang {SGLANG_VERSION} "
+                                   "reads it only with tuned-limits applied")
+    assert held["note"] == f"`{commands(sm120patch, 'apply --with tuned-limits')}` (the server then keeps to the profile)"
+    assert sm120patch("apply", "--with", "tuned-limits").exit_code == 0
+    tuned = tp()
+    assert tuned["text"] == (f"tuned on this box ({profile}, 2026-12-05T01:30:00Z): {limits}; other TP sizes: the "
+                             "release's own limits (the server also checks torch and its NCCL settings against the profile)")
+    assert tuned["note"] is None
+    assert fusion_of(sm120patch)["verdict"] == "will fuse"
+    profile.unlink()
+    gone = tp()
+    assert gone["text"].startswith(f"tuned-limits applied, but no profile holds here (no profile at {profile}): the "
+                                   "server keeps the release's own limits (SGLang fuses every batch")

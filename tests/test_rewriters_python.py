@@ -309,3 +309,101 @@ def test_replace_statements_needs_statements():
         create("python.replace-statements", dict(REPLACE, new="# nothing\n"))
     with pytest.raises(PatchDataError, match="not Python statements"):
         create("python.replace-statements", dict(REPLACE, old="if (:\n"))
+
+
+# -- the tuned-limits rewriters -------------------------------------------------------------------
+
+CAP = dict(function="applies", old="LIMIT", new="_cap(LIMIT, size())")
+
+
+def test_replace_expression_wraps_inside_the_named_function_and_knows_its_own_result():
+    assert_rewrites(
+        "python.replace-expression",
+        """\
+        LIMIT = 2048
+        def applies(n):
+            return n > 0 and n <= LIMIT  # the cap
+        def other(n):
+            return n <= LIMIT
+        """,
+        """\
+        LIMIT = 2048
+        def applies(n):
+            return n > 0 and n <= _cap(LIMIT, size())  # the cap
+        def other(n):
+            return n <= LIMIT
+        """,
+        **CAP,
+    )
+
+
+def test_replace_expression_matches_by_meaning_and_counts_every_site():
+    source = "def applies(n):\n    if n >   LIMIT:\n        return False\n    return n <= LIMIT\n"
+    result = rewrite("python.replace-expression", source, sites=2, **CAP)
+    assert isinstance(result, Changed) and result.data.count(b"_cap(LIMIT, size())") == 2
+    assert isinstance(rewrite("python.replace-expression", source, sites=1, **CAP), NoMatch)
+    literal = dict(function="applies", old="x.shape[0] <= 2048", new="x.shape[0] <= _cap(2048, size())")
+    assert isinstance(rewrite("python.replace-expression", "def applies(x):\n    return x.shape[0] <= 4096\n", **literal),
+                      NoMatch)
+
+
+def test_replace_argument_only_in_the_named_calls():
+    assert_rewrites(
+        "python.replace-argument",
+        """\
+        def fused(x, use_oneshot=None):
+            ensure(use_oneshot=use_oneshot)
+            kwargs = dict(input=x, use_oneshot=use_oneshot)
+            comm.run(**kwargs)
+        """,
+        """\
+        def fused(x, use_oneshot=None):
+            ensure(use_oneshot=use_oneshot)
+            kwargs = dict(input=x, use_oneshot=pick(use_oneshot, x))
+            comm.run(**kwargs)
+        """,
+        function="fused", calls=["comm.run", "dict"], keyword="use_oneshot", old="use_oneshot",
+        new="pick(use_oneshot, x)",
+    )
+
+
+def test_wrap_dict_entry_keeps_the_value_and_the_layout():
+    assert_rewrites(
+        "python.wrap-dict-entry",
+        """\
+        TABLE: dict[int, dict[int, float]] = {
+            90: {2: 64, 4: 2},
+            120: {2: 64, 4: 2},  # SM120
+        }
+        """,
+        """\
+        TABLE: dict[int, dict[int, float]] = {
+            90: {2: 64, 4: 2},
+            120: _row("fused", {2: 64, 4: 2}),  # SM120
+        }
+        """,
+        variable="TABLE", key="120", wrap='_row("fused", VALUE)',
+    )
+    result = rewrite("python.wrap-dict-entry", "TABLE = {90: {}}\n", variable="TABLE", key="120", wrap="f(VALUE)")
+    assert isinstance(result, NoMatch)
+    with pytest.raises(PatchDataError, match="must name VALUE"):
+        create("python.wrap-dict-entry", dict(variable="TABLE", key="120", wrap="f(x)"))
+
+
+def test_insert_module_code_before_the_binding_once():
+    source = '"""doc"""\nimport os\n\n# the cap\nLIMIT = 2048\n\n\ndef applies(n):\n    return n <= LIMIT\n'
+    result = rewrite("python.insert-module-code", source, source="tuned-limits", before="LIMIT")
+    assert isinstance(result, Changed)
+    text = result.data.decode()
+    # The shipped code, whole and as written, between the imports and the statement it goes before
+    # (whose comment stays with it).
+    from sm120patch import _tuned_runtime
+
+    shipped = open(_tuned_runtime.__file__, encoding="utf-8").read()
+    assert shipped.strip() in text
+    assert text.index("import os") < text.index("def _sm120patch_tuned_limits") < text.index("# the cap\nLIMIT = 2048")
+    compile(text, "patched", "exec")
+    again = create("python.insert-module-code", dict(source="tuned-limits", before="LIMIT")).rewrite(result.data, sites=1)
+    assert again == AlreadyApplied(1)
+    with pytest.raises(PatchDataError, match="unknown source"):
+        create("python.insert-module-code", dict(source="nope", before="LIMIT"))

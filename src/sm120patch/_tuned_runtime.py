@@ -65,12 +65,11 @@ def _sm120patch_box(sys_root="/sys", proc_root="/proc"):
                      "model": models.get(bus.lower()), "numa_node": read(os.path.join(where, "numa_node")),
                      "pcie_path": path, "max_link_speed": read(os.path.join(where, "max_link_speed")),
                      "max_link_width": read(os.path.join(where, "max_link_width"))})
-    version = read(os.path.join(proc_root, "driver", "nvidia", "version")) or ""
-    driver = None
-    words = version.split()
-    if "Module" in words and words.index("Module") + 1 < len(words):
-        driver = words[words.index("Module") + 1]
-    return {"gpus": gpus, "driver": driver}
+    # "NVRM version: NVIDIA UNIX [Open ]Kernel Module [for ]x86_64  580.95.05  Release Build ...": the
+    # first word of the first line that is a dotted number.
+    first = (read(os.path.join(proc_root, "driver", "nvidia", "version")) or "").split("\n")[0]
+    numbers = [w for w in first.split() if w.replace(".", "").isdigit() and "." in w]
+    return {"gpus": gpus, "driver": numbers[0] if numbers else None}
 
 
 def _sm120patch_nccl_env(environ=None):
@@ -142,8 +141,13 @@ def _sm120patch_judge(document, world_size, box, nccl_env, versions):
 def _sm120patch_load(path):
     """(document, '') or (None, why it cannot be read)."""
     import json
+    import os
+    import stat
 
     try:
+        # A FIFO or a device there would block or never end: only a regular file is read.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None, "cannot read %s (not a regular file)" % path
         with open(path, "rb") as handle:
             return json.loads(handle.read(1 << 22).decode("utf-8")), ""
     except FileNotFoundError:
@@ -167,14 +171,18 @@ def _sm120patch_decide(world_size, check_device):
     forward; vLLM's rows are SM120's own, read at import, before CUDA may be touched)."""
     if check_device and not _sm120patch_is_sm120():
         return None, "not an SM120 GPU"
-    path = _sm120patch_profile_path()
-    document, why = _sm120patch_load(path)
-    if document is None:
-        return None, why
-    entries = document.get("entries") if isinstance(document, dict) else None
-    named = entries.get(str(world_size)) if isinstance(entries, dict) else None
-    names = sorted(named.get("software") or ()) if isinstance(named, dict) and isinstance(named.get("software"), dict) else []
-    return _sm120patch_judge(document, world_size, _sm120patch_box(), _sm120patch_nccl_env(), _sm120patch_versions(names))
+    try:
+        document, why = _sm120patch_load(_sm120patch_profile_path())
+        if document is None:
+            return None, why
+        problem = _sm120patch_check_document(document)
+        if problem:
+            return None, "malformed profile: " + problem
+        named = document["entries"].get(str(world_size), {})
+        versions = _sm120patch_versions(sorted(str(n) for n in named.get("software", {})))
+        return _sm120patch_judge(document, world_size, _sm120patch_box(), _sm120patch_nccl_env(), versions)
+    except Exception as exc:  # noqa: BLE001 - a profile never stops the server
+        return None, "the profile could not be judged (%s: %s)" % (exc.__class__.__name__, exc)
 
 
 def _sm120patch_said(entry, why, world_size):

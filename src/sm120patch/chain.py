@@ -340,14 +340,16 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
     why = (profile.problem or "; ".join(profile.others) or "no TP size") if profile is not None else "not read"
     if applied:
         return Step("tp", StepResult.OK, f"tuned-limits applied, but no profile holds here ({why}): the server keeps "
-                    f"the release's own limits ({untuned})", note=f"`{commands.tune}` measures where fusion wins here"
-                    if commands.tune else "")
+                    f"the release's own limits ({untuned})",
+                    note=f"`{commands.tune}` (measures where fusion wins on these GPUs; the server reads the profile "
+                         "at its next start)" if commands.tune else "")
     if usable and offered:
         return Step("tp", StepResult.OK, f"untuned: a profile holds for this box ({'; '.join(e.words() for e in profile.entries)}), "
                     f"but {server.name} {server.raw_version} reads it only with tuned-limits applied ({untuned})",
-                    note=f"`{commands.apply_tuned}` makes the server keep to it" if commands.apply_tuned else "")
+                    note=f"`{commands.apply_tuned}` (the server then keeps to the profile)" if commands.apply_tuned else "")
     text = f"untuned: {untuned}" if offered else (untuned or "no TP limit known")
     note = ""
     if offered and commands.tune:
-        note = f"`{commands.tune}` measures where fusion wins on these GPUs; then `{commands.apply_tuned}`"
+        note = (f"`{commands.tune}` (measures where fusion wins on these GPUs; `apply --with tuned-limits` then keeps "
+                "the server to it)")
     return Step("tp", StepResult.OK, text.replace("{bench}", commands.bench), note=note)

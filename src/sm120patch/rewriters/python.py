@@ -683,7 +683,10 @@ class InsertModuleCode(LibcstRewriter):
                 self.found += len(positions)
                 for i in reversed(positions):
                     block = list(code.body)
-                    block[0] = block[0].with_changes(leading_lines=(*header, *block[0].leading_lines))
+                    # Two blank lines, the block's own comments, the block; the statement it goes
+                    # before keeps its blank lines and comments.
+                    block[0] = block[0].with_changes(
+                        leading_lines=(cst.EmptyLine(), cst.EmptyLine(), *header, *block[0].leading_lines))
                     body[i:i] = block
                 return updated_node.with_changes(body=body)
 

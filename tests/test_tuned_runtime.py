@@ -1,0 +1,227 @@
+"""The server side of tuned limits (sm120patch/_tuned_runtime.py, the code the opt-in patch
+tuned-limits inserts into the servers) and sm120patch's view of a profile (tunedlimits.py), on
+profiles written here: what a box is, which profiles hold, why the others do not, and that a
+profile never raises. The servers' own code following a profile is in test_tuned_limits.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sm120patch import _tuned_runtime as rt
+from sm120patch import tunedlimits
+from sm120patch.errors import PatchDataError
+from sm120patch.patchsets import parse_patch_set
+
+
+def fake_box(root: Path, gpus: list[tuple[str, str]], driver: str = "580.95.05") -> tuple[Path, Path]:
+    """A sysfs and /proc tree holding ``gpus`` (bus id, model) as NVIDIA 3D controllers behind one
+    bridge each, an NVIDIA audio function and a non-NVIDIA device beside them."""
+    sys_root, proc_root = root / "sys", root / "proc"
+    devices = sys_root / "devices" / "pci0000:00"
+    bus = sys_root / "bus" / "pci" / "devices"
+    bus.mkdir(parents=True)
+
+    def device(bus_id: str, vendor: str, klass: str, bridge: str) -> None:
+        where = devices / bridge / bus_id
+        where.mkdir(parents=True)
+        for name, value in (("vendor", vendor), ("class", klass), ("device", "0x2bb1"), ("numa_node", "0"),
+                            ("max_link_speed", "32.0 GT/s PCIe"), ("max_link_width", "16")):
+            (where / name).write_text(value + "\n")
+        (bus / bus_id).symlink_to(where)
+
+    for index, (bus_id, model) in enumerate(gpus):
+        device(bus_id, "0x10de", "0x030200", f"0000:00:0{index + 1}.0")
+        info = proc_root / "driver" / "nvidia" / "gpus" / bus_id
+        info.mkdir(parents=True)
+        (info / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 150\nBus Location: \t {bus_id}\n")
+    device("0000:01:00.1", "0x10de", "0x040300", "0000:00:01.0")  # the first GPU's audio function
+    device("0000:05:00.0", "0x8086", "0x030000", "0000:00:09.0")  # another vendor's display
+    (proc_root / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
+    (proc_root / "driver" / "nvidia" / "version").write_text(
+        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {driver}  Release Build  (dvs-builder@U22)\n"
+        "GCC version:  gcc version 12.2.0\n")
+    return sys_root, proc_root
+
+
+RTX = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+
+
+def test_the_box_is_the_nvidia_gpus_their_pcie_paths_and_the_driver(tmp_path):
+    sys_root, proc_root = fake_box(tmp_path, [("0000:01:00.0", RTX), ("0000:21:00.0", RTX)])
+    box = rt._sm120patch_box(str(sys_root), str(proc_root))
+    assert box["driver"] == "580.95.05"
+    assert [g["bus_id"] for g in box["gpus"]] == ["0000:01:00.0", "0000:21:00.0"]
+    assert [g["model"] for g in box["gpus"]] == [RTX, RTX]
+    assert box["gpus"][1]["pcie_path"] == "pci0000:00/0000:00:02.0/0000:21:00.0"
+    assert box["gpus"][0]["max_link_width"] == "16"
+    # Another box: a GPU moved behind another bridge is another topology.
+    other_root, other_proc = fake_box(tmp_path / "other", [("0000:01:00.0", RTX), ("0000:41:00.0", RTX)])
+    assert rt._sm120patch_box(str(other_root), str(other_proc)) != box
+    # No GPU, no driver: a box all the same (a CPU machine), never an exception.
+    assert rt._sm120patch_box(str(tmp_path / "none"), str(tmp_path / "none")) == {"gpus": [], "driver": None}
+
+
+def entry(**changes) -> dict:
+    value = {"created": "2026-12-05T01:30:00Z", "written_by": "sm120patch 0.1.0",
+             "software": {"flashinfer-python": "0.6.4", "sglang": "0.5.9"}, "nccl_env": {},
+             "dtype": "bf16", "hidden": 4096, "oneshot_max_bytes": 131072, "fused_max_bytes": 1048576,
+             "verdict": "fused wins up to 128 tokens"}
+    value.update(changes)
+    return value
+
+
+def profile(box: dict, **entries) -> dict:
+    return {"kind": "sm120patch tuned limits", "format": 1, "box": box,
+            "entries": entries or {"4": entry()}}
+
+
+BOX = {"gpus": [{"bus_id": "0000:01:00.0"}], "driver": "580.95.05"}
+HERE = {"flashinfer-python": "0.6.4", "sglang": "0.5.9"}
+
+
+@pytest.mark.parametrize("document, tp, nccl, versions, why", [
+    (profile(BOX), 4, {}, HERE, ""),
+    (profile(BOX), 8, {}, HERE, "no limits for TP8 (tuned: TP4)"),
+    (profile({"gpus": [], "driver": "580.95.05"}), 4, {}, HERE, "made on another box"),
+    (profile(BOX), 4, {}, {**HERE, "sglang": "0.5.10"}, "tuned with sglang 0.5.9, here 0.5.10"),
+    (profile(BOX), 4, {}, {**HERE, "flashinfer-python": None}, "tuned with flashinfer-python 0.6.4, here not installed"),
+    (profile(BOX), 4, {"NCCL_P2P_DISABLE": "1"}, HERE, "tuned with NCCL settings none, here {'NCCL_P2P_DISABLE': '1'}"),
+    ({**profile(BOX), "format": 2}, 4, {}, HERE, "format 2, written by a newer sm120patch"),
+    ({"kind": "something else"}, 4, {}, HERE, "not an sm120patch tuned-limits profile"),
+    (profile(BOX, **{"4": entry(oneshot_max_bytes=2 << 20)}), 4, {}, HERE, "one-shot limit above the fused limit"),
+    (profile(BOX, **{"4": entry(fused_max_bytes="1 MB")}), 4, {}, HERE, "not whole numbers of bytes"),
+    (profile(BOX, **{"4": entry(fused_max_bytes=True)}), 4, {}, HERE, "not whole numbers of bytes"),
+    (profile(BOX, **{"four": entry()}), 4, {}, HERE, "is not a TP size"),
+    (profile(BOX, **{"4": entry(dtype="fp8")}), 4, {}, HERE, "no dtype or releases"),
+    ([1, 2], 4, {}, HERE, "not an sm120patch tuned-limits profile"),
+])
+def test_a_profile_holds_only_for_its_box_releases_tp_and_nccl_settings(document, tp, nccl, versions, why):
+    found, reason = rt._sm120patch_judge(document, tp, BOX, nccl, versions)
+    assert (found is None) == bool(why)
+    assert why in reason
+    if not why:
+        assert found["fused_max_bytes"] == 1048576
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "no profile at"),
+    (b"{not json", "cannot read"),
+    (b"\xff\xfe", "cannot read"),
+    (b"[]", ""),  # read; the judge says it is not a profile
+])
+def test_reading_a_profile_never_raises(tmp_path, content, why):
+    path = tmp_path / "tuned-limits.json"
+    if content is not None:
+        path.write_bytes(content)
+    document, reason = rt._sm120patch_load(str(path))
+    assert (document is None) == bool(why) and why in reason
+    directory, reason = rt._sm120patch_load(str(tmp_path))  # a directory where the file should be
+    assert directory is None and "cannot read" in reason
+
+
+def test_status_reads_the_profile_where_the_server_does_and_checks_what_it_can(tmp_path):
+    path = tmp_path / "tuned-limits.json"
+    environ = {"SM120PATCH_TUNED_LIMITS": str(path)}
+    assert tunedlimits.location({}) == ("/etc/sm120patch/tuned-limits.json", False)
+    assert tunedlimits.location(environ) == (str(path), True)
+    absent = tunedlimits.read(HERE, environ)
+    assert not absent.usable and absent.problem.startswith("no profile at")
+    box = rt._sm120patch_box()  # this machine's: the profile holds here
+    software = {**HERE, "torch": "2.11.0+cu130"}
+    path.write_text(json.dumps(profile(box, **{"4": entry(software=software), "8": entry(software={**software, "sglang": "0.5.8"})})))
+    view = tunedlimits.read(HERE, environ)
+    assert view.usable and [e.tp for e in view.entries] == [4]
+    assert view.entries[0].unchecked == ("torch",)  # status cannot read the server's torch
+    assert view.entries[0].fused_tokens == 128
+    assert view.entries[0].words() == "TP4: fused up to 1 MiB per rank (128 tokens at hidden 4096, bf16), one-shot up to 128 KiB"
+    assert view.others == ("TP8: tuned with sglang 0.5.8, here 0.5.9",)
+    path.write_text(json.dumps(profile({"gpus": [{"bus_id": "elsewhere"}], "driver": None})))
+    assert tunedlimits.read(HERE, environ).problem.startswith("made on another box")
+
+
+def test_decisions_follow_the_entry_and_fall_back_to_the_release(monkeypatch):
+    """The SGLang decisions as the inserted code makes them, the profile's entry given."""
+    limits = entry(fused_max_bytes=64 * 4096 * 2, oneshot_max_bytes=16 * 4096 * 2)
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {4: limits, 2: None})
+    assert rt._sm120patch_fused_max_tokens(2048, 4) == 64
+    assert rt._sm120patch_fused_max_tokens(2048, 2) == 2048  # no profile for TP2: the release's cap
+    assert rt._sm120patch_fused_max_tokens(32, 4) == 32  # never past the release's own cap
+    assert rt._sm120patch_use_oneshot(None, 16, 16 * 4096 * 2, 4) is True
+    assert rt._sm120patch_use_oneshot(None, 17, 17 * 4096 * 2, 4) is False
+    assert rt._sm120patch_use_oneshot(None, 4, 10 ** 9, 4) is True  # two-shot needs more tokens than ranks
+    assert rt._sm120patch_use_oneshot(False, 1, 8192, 4) is False  # a caller's choice stands
+    assert rt._sm120patch_use_oneshot(None, 1, 8192, 2) is None  # FlashInfer's rule
+    # Within the profile's one-shot limit but past FlashInfer's own one-shot rule: two-shot.
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {8: entry(fused_max_bytes=64 << 20, oneshot_max_bytes=32 << 20)})
+    assert rt._sm120patch_use_oneshot(None, 512, 3 << 20, 8) is False  # 3 MiB x 2 x 8 > 42 MiB
+    assert rt._sm120patch_use_oneshot(None, 256, 2 << 20, 8) is True
+
+
+def test_vllm_rows_take_each_tp_size_the_profile_holds_for(monkeypatch, tmp_path):
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {})
+    path.write_text(json.dumps(profile(rt._sm120patch_box(), **{"4": entry(software={})})))
+    row = {2: 64, 4: 2, 8: 0.5}
+    assert rt._sm120patch_tuned_row("fused", row) == {2: 64, 4: 1.0, 8: 0.5}
+    assert rt._sm120patch_tuned_row("oneshot", row) == {2: 64, 4: 0.125, 8: 0.5}
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {})
+    path.write_text("{")
+    assert rt._sm120patch_tuned_row("fused", row) == row
+
+
+def set_text(tmp_path: Path, patches: str) -> Path:
+    path = tmp_path / "1.0.toml"
+    path.write_text('versions = ["1.0"]\nsummary = "s"\n' + patches)
+    return path
+
+
+PATCH = '''
+[[patch]]
+id = "{id}"
+check = "jit-gate"
+file = "a.py"
+required = {required}
+summary = "s"
+{extra}
+[[patch.edit]]
+rewriter = "python.insert-statement-after"
+sites = 1
+params = {{ anchor = "x", statement = "y = 1" }}
+'''
+
+
+def test_an_opt_in_patch_brings_what_it_requires(tmp_path):
+    text = (PATCH.format(id="table", required="false", extra="")
+            + PATCH.format(id="tuned", required="false", extra='requires = ["table"]'))
+    patch_set = parse_patch_set(set_text(tmp_path, text), "toy")
+    assert [p.id for p in patch_set.select(["tuned"])] == ["table", "tuned"]
+    assert [p.id for p in patch_set.select(["table"])] == ["table"]
+    bad = PATCH.format(id="tuned", required="false", extra='requires = ["nope"]')
+    with pytest.raises(PatchDataError, match="requires 'nope', which is not another patch"):
+        parse_patch_set(set_text(tmp_path, bad), "toy")
+    required = PATCH.format(id="table", required="false", extra="") + PATCH.format(
+        id="gate", required="true", extra='requires = ["table"]')
+    with pytest.raises(PatchDataError, match="only an opt-in one may require"):
+        parse_patch_set(set_text(tmp_path, required), "toy")
+
+
+def test_a_fifo_or_a_directory_in_place_of_the_profile_is_refused_at_once(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "tuned-limits.json"
+    os.mkfifo(fifo)  # no writer: opening it would block the server for good
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(fifo))
+    assert rt._sm120patch_decide(4, False) == (None, f"cannot read {fifo} (not a regular file)")
+
+
+def test_an_unexpected_shape_is_a_reason_never_an_exception(tmp_path, monkeypatch):
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    odd = profile(rt._sm120patch_box(), **{"4": entry(software={"sglang": "0.5.9"}, nccl_env=["not", "a", "dict"])})
+    path.write_text(json.dumps(odd))
+    entry_, why = rt._sm120patch_decide(4, False)
+    assert entry_ is None and why
