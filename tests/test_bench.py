@@ -184,6 +184,36 @@ def test_a_shape_that_makes_no_progress_is_a_hang_and_every_worker_is_killed():
     assert seen and seen[0]["tokens"] == 8
 
 
+def test_a_pair_of_ranks_that_hangs_is_named_with_what_to_change():
+    """bench --tune's first stage: a pair whose small fused call never completes (P2P that hangs)
+    is stopped after the pair's time limit, named by its ranks and GPUs, with the settings to
+    look at; the workers are killed, never a hung tuner."""
+    proc, read_fd = _emitter("""
+        import json, os, sys, time
+        out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+        for pair in ([0, 1], [0, 2]):
+            out.write(json.dumps({"event": "pair", "pair": pair, "gpus": ["0000:01:00.0", "0000:%02x:00.0" % (pair[1] * 64)]}) + "\\n")
+        time.sleep(60)
+    """)
+    with pytest.raises(CheckFailedError) as raised:
+        bench.follow([proc], read_fd, None, build_timeout=30, case_timeout=30, pair_timeout=1)
+    assert raised.value.message == ("ranks 0 and 2 (GPUs 0000:01:00.0 and 0000:80:00.0) did not complete one small "
+                                    "fused call in 1 s: it hangs (every worker was stopped)")
+    for advice in ("nvidia-smi topo -p2p r", "PCIe ACS", "iommu=pt", "virtual machine", "NCCL_P2P_DISABLE=1"):
+        assert advice in raised.value.hint
+    assert proc.wait(timeout=5) is not None
+
+
+def test_a_pair_of_ranks_that_fails_is_named():
+    error = bench._classify({"phase": "pair", "message": "RuntimeError: CUDA error: peer access is not supported",
+                             "case": {"pair": [1, 3], "gpus": ["0000:02:00.0", "0000:42:00.0"]}},
+                            Path("/srv/env/bin/python"), 4)
+    assert isinstance(error, CheckFailedError) and error.message == (
+        "ranks 1 and 3 (GPUs 0000:02:00.0 and 0000:42:00.0) could not complete a fused call together: "
+        "RuntimeError: CUDA error: peer access is not supported")
+    assert "iommu=pt" in error.hint
+
+
 def test_progress_is_relayed_until_the_workers_exit():
     proc, read_fd = _emitter("""
         import json, os, sys
@@ -279,6 +309,45 @@ def test_worker_reference_tolerance_and_inputs_on_cpu_torch(runtime_env):
     assert out["off"][1] > 1.0 and out["off"][0] == pytest.approx(0.5, abs=0.02)
     assert out["nan"] == float("inf")
     assert out["digest_same"] and out["digest_differs"]
+
+
+def test_tuner_statistics_and_profile_facts_in_the_target(runtime_env):
+    """In the target interpreter (CPU torch, the real FlashInfer and SGLang wheels): the worker's
+    median and quartiles, the slowest rank per repetition, and the box, NCCL settings and releases
+    computed by _tuned_runtime.py's text: the same box and settings sm120patch computes here."""
+    import os
+
+    from sm120patch import _tuned_runtime as runtime
+
+    worker = Path(bench.__file__).with_name("_bench_worker.py")
+    script = f"""
+        import importlib.util, json, sys
+        spec = importlib.util.spec_from_file_location("worker", {str(worker)!r})
+        w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+        text = open({str(Path(runtime.__file__))!r}).read()
+        print(json.dumps({{
+            "summary": w.summary([9.0, 1.0, 5.0, 3.0, 7.0]),
+            "slowest": w.slowest_per_repetition([[1.0, 5.0, 2.0], [3.0, 4.0, 2.5]]),
+            "facts": w.profile_facts(text, ["flashinfer-python", "sglang", "vllm", "torch"]),
+        }}))
+    """
+    env = dict(os.environ, NCCL_P2P_LEVEL="PHB", NCCL_CUMEM_ENABLE="0")
+    proc = subprocess.run([str(runtime_env.python), "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["summary"] == [5.0, 3.0, 7.0] and out["slowest"] == [3.0, 5.0, 2.5]
+    facts = out["facts"]
+    assert facts["box"] == runtime._sm120patch_box()
+    assert facts["nccl_env"] == {"NCCL_P2P_LEVEL": "PHB"}  # the servers set NCCL_CUMEM_ENABLE themselves
+    assert facts["software"] == {"flashinfer-python": "0.6.4", "sglang": "0.5.9", "torch": "2.13.0+cpu"}  # no vllm
+
+
+def test_the_worker_is_python_3_8():
+    """It runs in the server's interpreter, whose floor is 3.8."""
+    import ast
+
+    ast.parse(bench.WORKER.read_text(), feature_version=(3, 8))
 
 
 def test_a_server_that_would_fall_back_without_multicast_is_refused_with_the_reason_and_the_command():

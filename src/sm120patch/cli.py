@@ -477,13 +477,17 @@ def _world_size(value):
 
 @cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
              epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
-                            "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168"],
-                           [(0, "every shape matched the reference (and was timed)"),
+                            "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168",
+                            "sudo sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tune --model ~/models/llama/config.json"],
+                           [(0, "every shape matched the reference (and was timed); --tune: and the profile was written"),
                             (1, "a fused result differs from the reference, the kernel crashed or hung, or the "
-                                "workspace created as the installed server creates it was refused"),
+                                "workspace created as the installed server creates it was refused; --tune: or a pair "
+                                "of ranks could not complete a fused call together"),
                             (2, "the target cannot run it: no torch, no CUDA, fewer than 2 GPUs, a --tp the kernel refuses"),
                             (3, "refused: FlashInfer is not patched for the SM120 GPUs in use, or an installed server "
-                                "would not fuse on GPUs without multicast (run `sm120patch apply`)"),
+                                "would not fuse on GPUs without multicast (run `sm120patch apply`); --tune: ranks that "
+                                "share a GPU, or a file at the profile's path that is not a profile"),
+                            (4, "--tune: the profile could not be written (nothing was)"),
                             INTERRUPTED_READING]))
 @python_option
 @click.option("--tp", type=int, default=None, metavar="N", callback=lambda ctx, param, value: _world_size(value),
@@ -496,27 +500,64 @@ def _world_size(value):
 @click.option("--strategy", type=click.Choice(["auto", "oneshot", "twoshot", "both"]), default="auto", show_default=True,
               help="auto: FlashInfer's own choice, as SGLang runs it; both: one-shot and two-shot.")
 @click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
+@click.option("--tune", is_flag=True,
+              help="Measure where fusion wins at this TP size (one-shot, two-shot, NCCL + norm, each checked, then "
+                   "timed in repetitions) and write the limits into the profile the patched servers read.")
+@click.option("--model", metavar="PATH", default=None,
+              help="--tune: the model's config.json (its hidden_size and torch_dtype), instead of --hidden.")
+@click.option("--profile", "profile_path", metavar="PATH", default=None,
+              help="--tune: where to write the profile. Default: $SM120PATCH_TUNED_LIMITS, else "
+                   "/etc/sm120patch/tuned-limits.json (where the servers look).")
+@click.option("--repeats", type=click.IntRange(3, 101), default=7, show_default=True,
+              help="--tune: independent repetitions per path and size (median and interquartile range).")
 @jit_option
 @json_option
-def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_base, as_json):
+@click.pass_context
+def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, model, profile_path, repeats,
+          jit_cache_base, as_json):
     """Create the fusion workspace the way the installed server does, check FlashInfer's fused
     allreduce + residual + RMSNorm against NCCL + RMSNorm on this machine's GPUs, then time fused
-    against unfused and recommend a setting.
+    against unfused and recommend a setting; with --tune, measure the limits and write the profile.
 
     Runs in the server's interpreter (its torch and FlashInfer), one process per GPU. FlashInfer
     builds trtllm_comm in its JIT cache on first use, as the server would (minutes)."""
     from sm120patch import bench as bench_mod, render
+    from sm120patch.bench import profile
     from sm120patch.progress import BenchProgress
 
+    given = {name for name in ("hidden", "dtype", "model", "profile_path", "repeats", "check_only", "strategy")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    if not tune and given & {"model", "profile_path", "repeats"}:
+        option = {"model": "--model", "profile_path": "--profile", "repeats": "--repeats"}[sorted(given & {"model", "profile_path", "repeats"})[0]]
+        raise click.UsageError(f"{option} is for --tune (measure the limits and write the profile)")
+    if tune:
+        if given & {"check_only", "strategy"}:
+            raise click.UsageError("--tune checks and times every path itself: drop --check-only and --strategy")
+        if model and "hidden" in given:
+            raise click.UsageError("--tune: give --model or --hidden, not both")
+        if model:
+            hidden_size, model_dtype = profile.read_model(Path(model).expanduser())
+            hidden, dtype = str(hidden_size), dtype if "dtype" in given else (model_dtype or dtype)
+        elif "hidden" not in given:
+            raise click.UsageError("--tune measures for one model: pass --hidden N (its hidden size) or --model PATH "
+                             "(its config.json)")
     request = bench_mod.BenchRequest(
         python=Path(python) if python else None, tp=tp,
         tokens=bench_mod.parse_int_list(tokens, option="--tokens", minimum=1, maximum=16384),
         hidden=bench_mod.parse_int_list(hidden, option="--hidden", minimum=128, maximum=16384, multiple_of=8),
-        dtype=dtype, strategy=strategy, check_only=check_only,
+        dtype=dtype, strategy=strategy, check_only=check_only, tune=tune, repeats=repeats,
         jit_base=Path(jit_cache_base).expanduser() if jit_cache_base else None,
     )
+    if tune and len(request.hidden) != 1:
+        raise click.UsageError(f"--tune: one hidden size (the model's), not {hidden}")
     with BenchProgress(quiet=as_json) as progress:
-        report = bench_mod.bench(request, on_event=progress if progress.enabled else None)
+        on_event = progress if progress.enabled else None
+        if tune:
+            report = bench_mod.tune(request, profile_path=Path(profile_path).expanduser() if profile_path
+                                    else profile.default_path(), model=Path(model).resolve() if model else None,
+                                    on_event=on_event)
+            return show(report, as_json, render.render_tune, render.tune_json)
+        report = bench_mod.bench(request, on_event=on_event)
     return show(report, as_json, render.render_bench, render.bench_json)
 
 

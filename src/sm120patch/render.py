@@ -9,11 +9,11 @@ from sm120patch.assess import Origin, State, Verdict
 from sm120patch.chain import Chain, StepResult, next_step
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
-from sm120patch.words import counted
+from sm120patch.words import counted, size_words as _size
 from sm120patch.words import spec_words as _spec_words
 
 if TYPE_CHECKING:  # each command's own module is imported by that command
-    from sm120patch.bench import BenchReport
+    from sm120patch.bench import BenchReport, TuneReport
     from sm120patch.doctor import DoctorReport
     from sm120patch.verify import VerifyReport
 
@@ -615,15 +615,6 @@ def doctor_json(report: DoctorReport) -> dict:
 
 # -- bench ----------------------------------------------------------------------------------------
 
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value >= 10 or value == int(value) else f"{value:.1f} {unit}"
-    return f"{n} B"
-
-
-
 def render_bench(report: BenchReport) -> str:
     meta = report.meta
     lines = [
@@ -700,6 +691,81 @@ def bench_json(report: BenchReport) -> dict:
             "vllm_fi_allreduce_fusion_max_size_mb": recommendation.vllm_max_size_mb,
             "vllm": recommendation.vllm_text,
         },
+    }
+
+
+def _timing(row: dict, column: str) -> str:
+    median = row.get(f"{column}_us")
+    if median is None:
+        return "-"
+    q1, q3 = row.get(f"{column}_iqr_us") or (median, median)
+    return f"{median:.1f} [{q1:.1f}-{q3:.1f}]"
+
+
+def render_tune(report: TuneReport) -> str:
+    meta, entry, limits = report.meta, report.entry, report.limits
+    world = report.world_size
+    hidden, dtype = entry["hidden"], entry["dtype"]
+    pairs = world * (world - 1) // 2
+    rows = meta["tune"]["rows"]
+    lines = [
+        f"{report.request.kernels} {meta.get('flashinfer')} · torch {meta.get('torch')} (CUDA {meta.get('cuda')}) · "
+        f"{world} × {meta.get('device')} (compute capability {meta.get('capability')}) · {dtype} · hidden {hidden}",
+        f"pairs: every pair of ranks completed a fused call and matched the reference ({counted(pairs, 'pair')})",
+        "check: one-shot, two-shot and NCCL + fused_add_rmsnorm each matched NCCL allreduce + float32 RMSNorm "
+        "at every size before it was timed",
+        f"timing: µs per call, median [interquartile range] of {counted(report.request.repeats, 'repetition')} "
+        "(each the slowest rank's), in CUDA graphs" if all(r.get("graphs") for r in rows) else
+        f"timing: µs per call, median [interquartile range] of {counted(report.request.repeats, 'repetition')} "
+        "(each the slowest rank's), some as eager launches (not capturable in a CUDA graph)",
+        "",
+        f"  {'tokens':>6}  {'size':>8}  {'one-shot':>22}  {'two-shot':>22}  {'NCCL+norm':>22}",
+    ]
+    for row in rows:
+        lines.append(f"  {row['tokens']:>6}  {_size(row['bytes']):>8}  {_timing(row, 'oneshot'):>22}  "
+                     f"{_timing(row, 'twoshot'):>22}  {_timing(row, 'unfused'):>22}")
+    names = {"oneshot": "one-shot", "twoshot": "two-shot", "nccl": "NCCL+norm", "sglang-pcie-ipc": "SGLang PCIe-IPC",
+             "vllm-pcie-ipc": "vLLM PCIe-IPC"}
+    for tie in limits.ties:
+        lines.append(f"  tie at {_size(tie['bytes'])}: {' and '.join(names.get(p, p) for p in tie['paths'])} are within "
+                     "each other's interquartile range")
+    lines.append("")
+    last_fused = max((r["tokens"] for r in rows if r["bytes"] <= limits.fused_max_bytes), default=0)
+    if limits.never_fused:
+        lines.append(f"limits at TP{world}: never fused")
+    else:
+        lines.append(f"limits at TP{world}: one-shot up to {_size(limits.oneshot_max_bytes)} per rank, fused up to "
+                     f"{_size(limits.fused_max_bytes)} ({counted(last_fused, 'token')} at hidden {hidden}), unfused beyond")
+    lines.append(f"verdict: {limits.verdict}")
+    written = report.profile
+    if written is not None:
+        done = [f"wrote the TP{world} limits into {written.path}"]
+        if written.other_box:
+            done.append("replacing a profile made on another box")
+        elif written.replaced_tp:
+            done.append(f"replacing its earlier TP{world} entry")
+        if written.kept:
+            done.append("keeping " + ", ".join(f"TP{tp}" for tp in written.kept))
+        lines.append("profile: " + "; ".join(done))
+        lines.append("  it holds for this box (its GPUs, PCIe paths, driver), these releases and NCCL settings; "
+                     "servers patched with tuned-limits read it at start" + (
+                         "" if written.where_servers_look else
+                         f" if their environment has SM120PATCH_TUNED_LIMITS={written.path}"))
+    else:
+        lines.append("profile: not written (below)")
+    return "\n".join(lines)
+
+
+def tune_json(report: TuneReport) -> dict:
+    return {
+        "python": str(report.request.python),
+        "world_size": report.world_size,
+        **{k: report.meta.get(k) for k in ("flashinfer", "torch", "cuda", "nccl", "device", "capability")},
+        "entry": report.entry,
+        "profile": None if report.profile is None else {
+            "path": str(report.profile.path), "replaced_tp": report.profile.replaced_tp,
+            "other_box": report.profile.other_box, "kept": list(report.profile.kept)},
+        "errors": [error.message for error in report.errors],
     }
 
 

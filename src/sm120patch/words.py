@@ -13,3 +13,12 @@ def spec_words(versions) -> str:
     words = {">=": "from", ">": "after", "<": "before", "<=": "up to", "==": ""}
     parts = sorted(versions, key=lambda s: s.operator not in (">=", ">"))
     return ", ".join(f"{words.get(s.operator, s.operator)} {s.version}".strip() for s in parts)
+
+
+def size_words(n: int) -> str:
+    """A byte count as people read it: 8 KiB, 1.8 MiB, 512 B."""
+    for unit, scale in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value >= 10 or value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"

@@ -10,33 +10,92 @@ for SGLang's flag and vLLM's size threshold.
 Nothing here writes to the environment; FlashInfer builds ``trtllm_comm`` (and ``norm``) in
 its JIT cache on first use, exactly as the server's first start would.
 
+With ``--tune`` it measures instead where fusion wins on this box at this TP size: every pair
+of ranks completes one small fused call first (a pair that fails or hangs is named), then at
+each size one-shot, two-shot and NCCL + norm are checked against the reference and timed in
+several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
+and ``profile`` writes them, with the whole table, into the profile the patched servers read.
+
 - ``target``: what the target interpreter has; ``preflight``: the options and every reason the
-  run cannot start; ``runner``: the workers; ``report``: the measurements and the recommendation.
+  run cannot start; ``runner``: the workers; ``report``: the measurements and the recommendation;
+  ``limits``: the tuned limits from a table; ``profile``: the profile file.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from dataclasses import replace
 
+from sm120patch import _tuned_runtime as runtime
 from sm120patch import driver, pipeline
+from sm120patch.bench import profile
+from sm120patch.bench.limits import Row, derive, release_oneshot_max_bytes
 from sm120patch.bench.preflight import SUPPORTED_WORLD_SIZES, BenchRequest, parse_int_list, preflight
-from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, failure
+from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, TuneReport, failure
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
 from sm120patch.distributions import load_registry
-from sm120patch.errors import UsageError
+from sm120patch.errors import CheckFailedError, Sm120PatchError, UsageError
 from sm120patch.words import spec_words
 
 __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Case", "Recommendation", "Series",
-           "TargetInfo", "_classify", "_sglang_flag", "bench", "failure", "follow", "parse_int_list", "preflight",
+           "TargetInfo", "TuneReport", "_classify", "_sglang_flag", "bench", "tune", "failure", "follow", "parse_int_list", "preflight",
            "probe_target", "run"]
 
 
 def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = None) -> BenchReport:
     """The whole command: ask the target what it has, refuse what cannot run, run the workers."""
+    prepared = _prepare(request)
+    report = run(prepared.request, world_size=prepared.world_size, on_event=on_event, servers=prepared.paths)
+    report.sglang_flag = _sglang_flag(prepared.registry, prepared.status)
+    report.advice = [(t.assessment.name, level, text) for t in prepared.status.trees
+                     for level, text in t.advice_lines(bench=True)]
+    return report
+
+
+def tune(request: BenchRequest, *, profile_path: Path, model: Path | None = None,
+         on_event: Callable[[dict], None] | None = None) -> TuneReport:
+    """`bench --tune`: every pair of ranks first, then every path checked and timed at each
+    size, the limits derived, and the profile written for this box and TP size."""
+    prepared = _prepare(request)
+    world = prepared.world_size
+    settings = {"repeats": request.repeats, "oneshot_max_bytes": release_oneshot_max_bytes(world),
+                "runtime": Path(runtime.__file__).read_text(encoding="utf-8"),
+                "distributions": [d.name for d in prepared.registry] + ["torch"]}
+    report = run(prepared.request, world_size=world, on_event=on_event, servers=prepared.paths, tune=settings)
+    facts = report.meta["tune"]
+    hidden = request.hidden[0]
+    limits = derive([Row.from_table(row) for row in facts["rows"]], world=world, hidden=hidden)
+    entry = profile.entry(limits, rows=facts["rows"], software=facts["software"], nccl_env=facts["nccl_env"],
+                          dtype=request.dtype, hidden=hidden, model=model, gpus=facts["gpus"])
+    result = TuneReport(prepared.request, world, report.meta, limits, entry)
+    try:
+        profile.refuse_shared_gpus(facts["gpus"])
+        # The server judges the profile with this same code on this box: write only what it will take.
+        document = {"kind": profile.KIND, "format": runtime._SM120PATCH_PROFILE_FORMAT, "box": facts["box"],
+                    "entries": {str(world): entry}}
+        _, why = runtime._sm120patch_judge(document, world, runtime._sm120patch_box(), runtime._sm120patch_nccl_env(),
+                                           facts["software"])
+        if why:
+            raise CheckFailedError(f"the measured profile would not hold here ({why}); nothing was written")
+        result.profile = profile.write(profile_path, box=facts["box"], tp=world, new_entry=entry)
+    except Sm120PatchError as error:
+        result.errors.append(error)
+    return result
+
+
+class _Prepared(NamedTuple):
+    request: BenchRequest
+    world_size: int
+    registry: object
+    status: object
+    paths: list
+
+
+def _prepare(request: BenchRequest) -> _Prepared:
+    """Ask the target what it has and refuse what cannot run (both modes)."""
     registry = load_registry(full=False)
     # Every installed distribution: the one whose kernels bench runs, and the servers whose
     # workspace path it follows.
@@ -55,10 +114,7 @@ def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = No
     world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
                            aot_shadows=[s.path for s in status.aot], servers=chains)
     paths = [c.fusion for c in chains if c.fusion is not None and c.fusion.path is not None]
-    report = run(request, world_size=world_size, on_event=on_event, servers=paths)
-    report.sglang_flag = _sglang_flag(registry, status)
-    report.advice = [(t.assessment.name, level, text) for t in status.trees for level, text in t.advice_lines(bench=True)]
-    return report
+    return _Prepared(request, world_size, registry, status, paths)
 
 
 def _sglang_flag(registry, status) -> str:

@@ -80,6 +80,21 @@ def check_server_paths(paths, rank, world, max_tokens, hidden, dtype):
     return results
 
 
+def fused_call(x, residual, gamma, eps, norm_out, residual_out, world, rank, workspace, use_oneshot):
+    """FlashInfer's fused allreduce + residual add + RMSNorm, called as SGLang calls it (PDL on,
+    fp32 accumulation off); ``use_oneshot`` None: FlashInfer's own choice."""
+    import flashinfer.comm as comm
+
+    comm.trtllm_allreduce_fusion(
+        allreduce_in=x, world_size=world, world_rank=rank, token_num=x.shape[0], hidden_dim=x.shape[1],
+        workspace_ptrs=workspace, launch_with_pdl=True, use_oneshot=use_oneshot,
+        trigger_completion_at_end=False, fp32_acc=False,
+        pattern_code=comm.AllReduceFusionPattern.kARResidualRMSNorm,
+        allreduce_out=None, residual_in=residual, residual_out=residual_out, norm_out=norm_out,
+        quant_out=None, scale_out=None, rms_gamma=gamma, rms_eps=eps, scale_factor=None,
+        layout_code=None)
+
+
 def tolerance_ok(out, ref, atol, rtol):
     """(max |out - ref|, worst ratio to the allowed error): the check passes when the ratio is
     at most 1, i.e. |out - ref| <= atol + rtol * |ref| everywhere (torch.isclose's rule)."""
@@ -132,10 +147,9 @@ def make_inputs(tokens, hidden, dtype, device, seed, rank):
     return x, residual, gamma
 
 
-def time_graph(body, reps, inner, warmup):
-    """Median microseconds per call of ``body``: captured ``inner`` times in one CUDA graph,
-    replayed ``warmup`` times, then ``reps`` timed replays. Falls back to eager launches when
-    the graph cannot be captured; returns (median_us, used_graph)."""
+def capture(body, inner):
+    """``body`` run ``inner`` times as one callable: a CUDA graph replay where it can be captured,
+    else eager launches. Returns (run, used_graph); the graph lives as long as ``run``."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -145,20 +159,26 @@ def time_graph(body, reps, inner, warmup):
             body()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = None
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(inner):
                 body()
-        run = graph.replay
+        return graph.replay, True
     except Exception:  # noqa: BLE001 - not capturable here: time eager launches instead
-        graph = None
         torch.cuda.synchronize()
 
         def run():
             for _ in range(inner):
                 body()
+        return run, False
+
+
+def measure(run, reps, inner, warmup):
+    """Median microseconds per call over ``reps`` timed runs of ``run`` (``inner`` calls each),
+    after ``warmup`` untimed ones."""
+    import torch
+
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
@@ -171,7 +191,15 @@ def time_graph(body, reps, inner, warmup):
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1000.0 / inner)
     samples.sort()
-    return samples[len(samples) // 2], graph is not None
+    return samples[len(samples) // 2]
+
+
+def time_graph(body, reps, inner, warmup):
+    """Median microseconds per call of ``body``: captured ``inner`` times in one CUDA graph,
+    replayed ``warmup`` times, then ``reps`` timed replays. Falls back to eager launches when
+    the graph cannot be captured; returns (median_us, used_graph)."""
+    run, used_graph = capture(body, inner)
+    return measure(run, reps, inner, warmup), used_graph
 
 
 def main(config, rank, world, out_dir):
@@ -189,7 +217,6 @@ def main(config, rank, world, out_dir):
     # ones so that a cold cache compiles both at once. FlashInfer's file locks do the rest.
     emit(event="stage", text="loading FlashInfer's trtllm_comm and norm modules (a first build takes minutes)")
     try:
-        import flashinfer.comm as comm
         import flashinfer.comm.trtllm_ar as trtllm_ar
         from flashinfer.norm import fused_add_rmsnorm
     except Exception as exc:  # noqa: BLE001
@@ -203,6 +230,13 @@ def main(config, rank, world, out_dir):
     except Exception as exc:  # noqa: BLE001
         raise Failure("build", last_line(exc))
     dist.barrier(group=group)
+    tune = config.get("tune")
+    gpus = None
+    if tune:
+        gpus = identify(local_rank, world, group)
+        emit(event="stage", text="every pair of ranks: opening each other's memory and one small fused call "
+             "(%d pairs)" % (world * (world - 1) // 2))
+        check_pairs(rank, world, gpus, config["hidden"][0], dtype, device, config, group)
 
     tokens_list, hidden_list = config["tokens"], config["hidden"]
     max_tokens, max_hidden = max(tokens_list), max(hidden_list)
@@ -219,13 +253,14 @@ def main(config, rank, world, out_dir):
 
     should_use_oneshot = getattr(trtllm_ar, "_should_use_oneshot", None)
     cases = []
-    for hidden in hidden_list:
+    for hidden in ([] if tune else hidden_list):
         for tokens in tokens_list:
             for strategy in config["strategies"]:
                 if strategy == "twoshot" and tokens <= world:
                     continue  # FlashInfer: two-shot needs more tokens than ranks
                 cases.append((hidden, tokens, strategy))
-    emit(event="cases", total=len(cases))
+    if not tune:
+        emit(event="cases", total=len(cases))
     eps, atol, rtol = config["eps"], config["atol"], config["rtol"]
     results = []
     for index, (hidden, tokens, strategy) in enumerate(cases):
@@ -240,14 +275,7 @@ def main(config, rank, world, out_dir):
         residual_out = torch.empty_like(x)
 
         def fused():
-            comm.trtllm_allreduce_fusion(
-                allreduce_in=x, world_size=world, world_rank=rank, token_num=tokens, hidden_dim=hidden,
-                workspace_ptrs=workspace_tensor, launch_with_pdl=True, use_oneshot=use_oneshot,
-                trigger_completion_at_end=False, fp32_acc=False,
-                pattern_code=comm.AllReduceFusionPattern.kARResidualRMSNorm,
-                allreduce_out=None, residual_in=residual, residual_out=residual_out, norm_out=norm_out,
-                quant_out=None, scale_out=None, rms_gamma=gamma, rms_eps=eps, scale_factor=None,
-                layout_code=None)
+            fused_call(x, residual, gamma, eps, norm_out, residual_out, world, rank, workspace_tensor, use_oneshot)
 
         dist.barrier(group=group)
         try:
@@ -289,7 +317,10 @@ def main(config, rank, world, out_dir):
             row.update(fused_us=max(t[0] for t in timings), unfused_us=max(t[1] for t in timings),
                        graphs=all(t[2] for t in timings))
         results.append(row)
-    emit(event="case", index=len(cases))
+    if tune:
+        rows = tune_rows(config, rank, world, device, dtype, workspace_tensor, group)
+    else:
+        emit(event="case", index=len(cases))
     dist.barrier(group=group)
     try:
         trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(ipc_handles, group=group)
@@ -309,11 +340,171 @@ def main(config, rank, world, out_dir):
             "server_paths": server_paths,
             "cases": results,
         }
+        if tune:
+            document["tune"] = dict(profile_facts(tune["runtime"], tune["distributions"]), gpus=gpus, rows=rows)
         path = os.path.join(out_dir, "result.json")
         with open(path + ".tmp", "w") as handle:
             json.dump(document, handle)
         os.replace(path + ".tmp", path)
     dist.destroy_process_group()
+
+
+def identify(local_rank, world, group):
+    """Every rank's GPU, in rank order: its PCI bus id as sysfs spells it and its UUID (two ranks
+    on one GPU, or on two MIG slices of one, share the bus id)."""
+    import torch
+    import torch.distributed as dist
+
+    props = torch.cuda.get_device_properties(local_rank)
+    bus = None
+    if getattr(props, "pci_bus_id", None) is not None:
+        bus = "%04x:%02x:%02x.0" % (getattr(props, "pci_domain_id", 0), props.pci_bus_id, props.pci_device_id)
+    mine = {"bus_id": bus, "uuid": str(getattr(props, "uuid", "")) or None, "name": props.name}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def check_pairs(rank, world, gpus, hidden, dtype, device, config, group):
+    """Before any timing, every pair of ranks opens each other's IPC memory (a two-rank fusion
+    workspace) and completes one small fused call, checked against the reference. A pair that
+    fails raises a Failure naming it; one that hangs is named by the parent, from the "pair"
+    event, when its time is up."""
+    import torch
+    import torch.distributed as dist
+    import flashinfer.comm.trtllm_ar as trtllm_ar
+
+    for first in range(world):
+        for second in range(first + 1, world):
+            where = {"pair": [first, second], "gpus": [gpus[first]["bus_id"], gpus[second]["bus_id"]]}
+            emit(event="pair", **where)
+            pair = dist.new_group([first, second])  # every rank takes part in making each group
+            if rank in (first, second):
+                me = 0 if rank == first else 1
+                try:
+                    handles, pointers = trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+                        me, 2, 1, hidden, use_fp32_lamport=False, group=pair)[:2]
+                    x, residual, gamma = make_inputs(1, hidden, dtype, device, config["seed"], rank)
+                    norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
+                    fused_call(x, residual, gamma, config["eps"], norm_out, residual_out, 2, me, pointers, True)
+                    torch.cuda.synchronize()
+                    ref_norm, _ = reference(x, residual, gamma, config["eps"], pair)
+                    ratio = tolerance_ok(norm_out, ref_norm, config["atol"], config["rtol"])[1]
+                    trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(handles, group=pair)
+                except Exception as exc:  # noqa: BLE001
+                    raise Failure("pair", last_line(exc), where)
+                if ratio > 1.0:
+                    raise Failure("pair", "the fused call's result differs from NCCL + RMSNorm (%.3g times the "
+                                  "tolerance): the GPUs read each other's memory wrongly" % ratio, where)
+            dist.barrier(group=group)
+
+
+def summary(samples):
+    """(median, first quartile, third quartile) of the repetitions' figures."""
+    import statistics
+
+    q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return median, q1, q3
+
+
+def slowest_per_repetition(per_rank):
+    """A TP step waits for its slowest rank: each repetition's figure is the largest of the ranks'."""
+    return [max(figures) for figures in zip(*per_rank)]
+
+
+def tune_rows(config, rank, world, device, dtype, workspace_tensor, group):
+    """For each token count at the one hidden size: check every path against the float32
+    reference, then time them, ``repeats`` independent repetitions interleaved path by path
+    (a drift of the clocks touches every path alike). One-shot is timed only within FlashInfer's
+    own one-shot region (the tuned limit never passes it), two-shot only above ``world`` tokens."""
+    import torch
+    import torch.distributed as dist
+    from flashinfer.norm import fused_add_rmsnorm
+
+    tune, hidden, eps = config["tune"], config["hidden"][0], config["eps"]
+    emit(event="cases", total=len(config["tokens"]))
+    rows = []
+    for index, tokens in enumerate(config["tokens"]):
+        emit(event="case", index=index, tokens=tokens, hidden=hidden, strategy="every path")
+        x, residual, gamma = make_inputs(tokens, hidden, dtype, device, config["seed"], rank)
+        message = tokens * hidden * x.element_size()
+        norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        ref_norm, ref_residual = reference(x, residual, gamma, eps, group)
+
+        def fused(use_oneshot):
+            def body():
+                fused_call(x, residual, gamma, eps, norm_out, residual_out, world, rank, workspace_tensor, use_oneshot)
+            return body, (norm_out, residual_out)
+
+        a, r = x.clone(), residual.clone()
+
+        def unfused():  # in place, as the server runs it: timed on whatever the last call left
+            dist.all_reduce(a, group=group)
+            fused_add_rmsnorm(a, r, gamma, eps)
+
+        def unfused_from_inputs():
+            a.copy_(x)
+            r.copy_(residual)
+            unfused()
+
+        paths = []  # (name, the call checked, the call timed, its outputs)
+        if message <= tune["oneshot_max_bytes"] or tokens <= world:
+            body, outputs = fused(True)
+            paths.append(("oneshot", body, body, outputs))
+        if tokens > world:
+            body, outputs = fused(False)
+            paths.append(("twoshot", body, body, outputs))
+        paths.append(("unfused", unfused_from_inputs, unfused, (a, r)))
+        row = {"tokens": tokens, "bytes": message}
+        worst = 0.0
+        for name, checked, _, (out_norm, out_residual) in paths:
+            dist.barrier(group=group)
+            try:
+                checked()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                raise Failure("fused" if name != "unfused" else "unfused", last_line(exc),
+                              {"tokens": tokens, "hidden": hidden, "strategy": name})
+            ratio = max(tolerance_ok(out_norm, ref_norm, config["atol"], config["rtol"])[1],
+                        tolerance_ok(out_residual, ref_residual, config["atol"], config["rtol"])[1])
+            row["%s_check" % name] = ratio
+            worst = max(worst, ratio)
+        ratios = [None] * world
+        dist.all_gather_object(ratios, worst, group=group)
+        if max(ratios) > 1.0:
+            bad = [name for name, _, _, _ in paths if row["%s_check" % name] > 1.0] or ["a path on another rank"]
+            raise Failure("check", "%s differs from NCCL + float32 RMSNorm (%.3g times the tolerance): no timing "
+                          "of a wrong result" % (", ".join(bad), max(ratios)),
+                          {"tokens": tokens, "hidden": hidden, "strategy": bad[0]})
+        runs = [(name, capture(timed, config["inner"])) for name, _, timed, _ in paths]
+        mine = dict((name, []) for name, _ in runs)
+        for repetition in range(tune["repeats"]):
+            # Progress per repetition: the parent's time limit is per step, and --repeats sets the steps.
+            emit(event="case", index=index, tokens=tokens, hidden=hidden,
+                 strategy="repetition %d of %d" % (repetition + 1, tune["repeats"]))
+            for name, (run, _) in runs:
+                dist.barrier(group=group)
+                mine[name].append(measure(run, config["reps"], config["inner"], config["warmup"]))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, [mine, all(graph for _, (_, graph) in runs)], group=group)
+        for name, _ in runs:
+            median, q1, q3 = summary(slowest_per_repetition([e[0][name] for e in everyone]))
+            row["%s_us" % name], row["%s_iqr_us" % name] = median, [q1, q3]
+        row["graphs"] = all(e[1] for e in everyone)
+        rows.append(row)
+        del runs
+    emit(event="case", index=len(config["tokens"]))
+    return rows
+
+
+def profile_facts(runtime_text, distributions):
+    """The box, the NCCL settings and the releases, computed by the very code the servers run
+    (sm120patch's _tuned_runtime.py, passed as text: nothing from sm120patch imports here)."""
+    namespace = {"__name__": "sm120patch_tuned_runtime"}
+    exec(compile(runtime_text, "_tuned_runtime.py", "exec"), namespace)
+    versions = namespace["_sm120patch_versions"](distributions)
+    return {"box": namespace["_sm120patch_box"](), "nccl_env": namespace["_sm120patch_nccl_env"](),
+            "software": dict((name, version) for name, version in sorted(versions.items()) if version is not None)}
 
 
 def nccl_version():

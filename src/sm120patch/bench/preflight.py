@@ -30,6 +30,8 @@ class BenchRequest:
     reps: int = 25
     inner: int = 10
     warmup: int = 5
+    tune: bool = False  # --tune: measure the limits and write the profile (one hidden size)
+    repeats: int = 7  # --tune: independent repetitions per path and size (median, interquartile range)
     given_python: bool = False  # --python was given (python is then what the user named, resolved)
     kernels: str = field(default_factory=kernels_distribution)  # the distribution whose fused allreduce runs
 

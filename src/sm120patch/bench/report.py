@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sm120patch.bench.limits import Limits
 from sm120patch.bench.preflight import BenchRequest
 from sm120patch.errors import CheckFailedError, ExitCode
 from sm120patch.words import counted
@@ -153,3 +154,20 @@ def failure(report: BenchReport) -> CheckFailedError | None:
         f"{counted(len(report.cases), 'case')}; worst: tokens {worst.tokens}, hidden {worst.hidden}, {worst.effective_strategy}: {reason}",
         hint="do not turn fusion on; `sm120patch verify --compile` shows whether the lamport kernel body is there",
     )
+
+
+@dataclass
+class TuneReport:
+    """What `bench --tune` measured, the limits derived from it and where the profile went."""
+
+    request: BenchRequest
+    world_size: int
+    meta: dict  # the workers' document: versions, devices, and "tune" (box, GPUs, rows)
+    limits: Limits
+    entry: dict  # the profile's entry for this TP size (written or not)
+    profile: object = None  # bench.profile.Written, or None when nothing was written
+    errors: list = field(default_factory=list)  # said after the table (a profile refused)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.errors[0].exit_code if self.errors else ExitCode.OK

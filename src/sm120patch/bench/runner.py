@@ -23,6 +23,13 @@ RMS_EPS = 1e-6
 BUILD_TIMEOUT_S = 1800.0  # a cold JIT cache compiles trtllm_comm: minutes on a small machine
 CASE_TIMEOUT_S = 120.0  # one shape, checked and timed; a lamport kernel that waits forever hangs
 EXIT_GRACE_S = 15.0
+PAIR_TIMEOUT_S = 60.0  # one pair of ranks: a two-rank workspace and one small fused call
+# Why two GPUs cannot complete a fused call together, and what to set or change.
+PAIR_HINT = ("the fused kernel reads its peers' memory directly (CUDA IPC over PCIe peer-to-peer): "
+             "`nvidia-smi topo -p2p r` must say OK between them; on workstation boards turn PCIe ACS off in the firmware "
+             "or boot with iommu=pt; in a virtual machine peer-to-peer must be passed through to the guest; where NCCL "
+             "itself hangs, NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) moves NCCL off P2P, but the fused kernel needs "
+             "it: until the pair passes, serve without fusion")
 WORKER = Path(__file__).with_name("_bench_worker.py")  # runs in the target, one process per GPU
 
 
@@ -46,6 +53,8 @@ def _tail(path: Path, lines: int = 1) -> str:
 def _classify(error: dict, python: Path, world_size: int) -> Sm120PatchError:
     """A worker's failure as the one error the user sees."""
     message, case = error["message"], error.get("case")
+    if error["phase"] == "pair":
+        return CheckFailedError(f"{_pair_words(case)} could not complete a fused call together: {message}", hint=PAIR_HINT)
     where = f" (tokens {case['tokens']}, hidden {case['hidden']}, {case['strategy']})" if case else ""
     if "No supported CUDA architectures found" in message:
         return RefusedError(f"FlashInfer refuses to build trtllm_comm for these GPUs: {message}",
@@ -59,10 +68,17 @@ def _classify(error: dict, python: Path, world_size: int) -> Sm120PatchError:
     return CheckFailedError(f"the {error['phase']} step failed{where}: {message}")
 
 
+def _pair_words(case: dict) -> str:
+    (first, second), gpus = case["pair"], case.get("gpus") or (None, None)
+    named = f" (GPUs {gpus[0]} and {gpus[1]})" if all(gpus) else ""
+    return f"ranks {first} and {second}{named}"
+
+
 def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], None] | None = None,
-        servers: Sequence[FusionVerdict] = ()) -> BenchReport:
+        servers: Sequence[FusionVerdict] = (), tune: dict | None = None) -> BenchReport:
     """Start one worker per GPU in the target interpreter, follow their progress, and collect
-    the result; hangs and crashes become one clear error (every worker is stopped)."""
+    the result; hangs and crashes become one clear error (every worker is stopped). ``tune``:
+    the tuner's settings (its rows and the box's facts then come back in the result)."""
     atol, rtol = TOLERANCE[request.dtype]
     strategies = ["oneshot", "twoshot"] if request.strategy == "both" else [request.strategy]
     config = {
@@ -73,6 +89,8 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
         "server_paths": [{"server": f"{s.server} with {s.with_}", "workspace": s.path.workspace,
                           "preflight": s.path.preflight} for s in servers],
     }
+    if tune is not None:
+        config["tune"] = tune
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
 
@@ -129,9 +147,10 @@ def _select(*args):
 
 
 def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[dict], None] | None, *,
-           build_timeout: float = BUILD_TIMEOUT_S, case_timeout: float = CASE_TIMEOUT_S) -> None:
-    """Relay rank 0's progress and enforce the time limits: a stage (build, one shape) that
-    makes no progress in time is a hang, and every worker is killed."""
+           build_timeout: float = BUILD_TIMEOUT_S, case_timeout: float = CASE_TIMEOUT_S,
+           pair_timeout: float = PAIR_TIMEOUT_S) -> None:
+    """Relay rank 0's progress and enforce the time limits: a stage (build, one pair of ranks,
+    one shape) that makes no progress in time is a hang, and every worker is killed."""
     buffer = b""
     deadline = time.monotonic() + build_timeout
     current: dict | None = None
@@ -148,6 +167,9 @@ def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[
         if time.monotonic() > deadline:
             for proc in procs:
                 proc.kill()
+            if current and "pair" in current:
+                raise CheckFailedError(f"{_pair_words(current)} did not complete one small fused call in "
+                                       f"{pair_timeout:.0f} s: it hangs (every worker was stopped)", hint=PAIR_HINT)
             what = (f"tokens {current['tokens']}, hidden {current['hidden']}, {current['strategy']}"
                     if current and "tokens" in current else "building or loading FlashInfer's modules")
             limit = case_timeout if current and "tokens" in current else build_timeout
@@ -174,8 +196,11 @@ def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[
                 event = json.loads(line)
             except ValueError:
                 continue
-            if event.get("event") == "case":
+            if event.get("event") == "stage":  # a new stage (a build, a workspace) has the build's time
+                current = None
+                deadline = time.monotonic() + build_timeout
+            if event.get("event") in ("case", "pair"):
                 current = event
-                deadline = time.monotonic() + case_timeout
+                deadline = time.monotonic() + (case_timeout if event["event"] == "case" else pair_timeout)
             if on_event:
                 on_event(event)

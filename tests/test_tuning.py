@@ -1,0 +1,435 @@
+"""`sm120patch bench --tune` without GPUs: the limits derived from recorded tables (the two-H200
+run in docs/two-gpu.md, and PCIe-shaped tables written from the figures issue #52 cites), the
+profile it writes (its checks, the merge, the atomic write, the refusals), and the worker's own
+arithmetic in a real torch (CPU) environment. No GPU ran any of this; docs/tuning.md says so."""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+from sm120patch.bench.limits import Row, derive, release_oneshot_max_bytes
+
+HIDDEN = 4096
+KIB = 1024
+
+
+def table(columns: dict[str, list[float | None]], *, tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+          spread=(0.98, 1.03), hidden=HIDDEN) -> list[Row]:
+    """Rows at hidden ``hidden`` bf16: each column's medians, each with an interquartile range
+    of ``spread`` around it (None: not measured at that size)."""
+    rows = []
+    for index, n in enumerate(tokens):
+        row = {"tokens": n, "bytes": n * hidden * 2}
+        for column, medians in columns.items():
+            if medians[index] is not None:
+                row[f"{column}_us"] = medians[index]
+                row[f"{column}_iqr_us"] = [medians[index] * spread[0], medians[index] * spread[1]]
+        rows.append(Row.from_table(row))
+    return rows
+
+
+# -- FlashInfer's own one-shot region, read from the release --------------------------------
+
+def test_the_one_shot_ceiling_is_the_releases_rule(flashinfer_wheel):
+    """_use_oneshot_heuristics in the 0.6.4 wheel, converted to a message size per rank exactly
+    as _should_use_oneshot computes it (tokens * hidden * 2 * world * itemsize / 2**20 <= MiB)."""
+    source = zipfile.ZipFile(flashinfer_wheel).read("flashinfer/comm/trtllm_ar.py").decode()
+    found = re.search(r"_use_oneshot_heuristics: dict\[int, int\] = (\{.*?\})", source, re.S).group(1)
+    rule = ast.literal_eval(found)
+    assert rule == {2: 512, 4: 64, 8: 42}
+    for world, mib in rule.items():
+        limit = release_oneshot_max_bytes(world)
+        assert limit * 2 * world / 2 ** 20 <= mib < (limit + 1) * 2 * world / 2 ** 20
+    assert release_oneshot_max_bytes(4) == 8 * 2 ** 20 and release_oneshot_max_bytes(8) == 2752512
+    assert release_oneshot_max_bytes(16) == 0  # no row: the release has no one-shot region there
+
+
+# -- the two-H200 run (docs/two-gpu.md, section 3) ------------------------------------------
+
+def _two_h200(hidden: int) -> list[Row]:
+    """The table as printed in docs/two-gpu.md: one-shot (FlashInfer's choice at TP2) and NCCL +
+    norm, medians only (that run recorded no spread)."""
+    text = (ROOT / "docs" / "two-gpu.md").read_text()
+    block = text[text.index(f"hidden {hidden}, auto"):]
+    block = block[:block.index("crossover:")]
+    rows = []
+    for line in block.splitlines():
+        words = line.split()
+        if words and words[0].isdigit():
+            tokens, fused, unfused = int(words[0]), float(words[-3]), float(words[-2])
+            rows.append(Row.from_table({"tokens": tokens, "bytes": tokens * hidden * 2, "oneshot_us": fused,
+                                        "unfused_us": unfused}))
+    assert len(rows) == 12
+    return rows
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_the_two_h200_table_fuses_one_shot_up_to_the_largest_size(hidden):
+    """On NVLink one-shot beat NCCL at every size (1.02x to 2.87x): fused and one-shot up to the
+    largest size measured (far below TP2's one-shot ceiling of 128 MiB), and the verdict says the
+    limit is where the measurement stopped, not a crossover."""
+    limits = derive(_two_h200(hidden), world=2, hidden=hidden)
+    assert limits.fused_max_bytes == limits.oneshot_max_bytes == 2048 * hidden * 2
+    assert limits.unfused == "nccl" and not limits.ties
+    assert "fused was faster at every size measured" in limits.verdict and "one-shot throughout" in limits.verdict
+
+
+# -- PCIe-shaped tables (the published figures issue #52 cites) -----------------------------
+
+# RTX PRO 6000 x4 on one NUMA node: one-shot 6.1 vs NCCL 13.5 us at the smallest sizes, 95.6 vs
+# 85.2 us at 1 MB; one-shot's crossover with NCCL about 120 KB; two-shot (more tokens than ranks
+# only) beats one-shot from 128 KB and ties NCCL at 256 KB.
+PCIE_X4 = {
+    "oneshot": [6.1, 6.6, 7.8, 10.5, 17.5, 30.0, 52.0, 95.6, 190.0, 380.0, 760.0, 1520.0],
+    "twoshot": [None, None, None, 12.0, 14.0, 22.0, 44.0, 80.0, 150.0, 290.0, 570.0, 1130.0],
+    "unfused": [13.5, 13.8, 14.3, 15.2, 17.0, 22.5, 36.0, 85.2, 120.0, 200.0, 360.0, 700.0],
+}
+
+
+def test_pcie_x4_one_shot_to_64k_two_shot_to_256k_then_nccl():
+    limits = derive(table(PCIE_X4), world=4, hidden=HIDDEN)
+    assert (limits.oneshot_max_bytes, limits.fused_max_bytes) == (64 * KIB, 256 * KIB)
+    assert limits.unfused == "nccl"
+    # 256 KiB: two-shot 22.0 and NCCL 22.5 us, within each other's interquartile range: a tie,
+    # listed, and settled the release's way (fused).
+    assert {"bytes": 256 * KIB, "tokens": 32, "paths": ["nccl", "twoshot"]} in [
+        dict(t, paths=sorted(t["paths"])) for t in limits.ties]
+    assert limits.verdict == ("fusion wins at TP4, hidden 4096 up to 256 KiB per rank (32 tokens): one-shot up to "
+                              "64 KiB, two-shot above; from 512 KiB (64 tokens) NCCL allreduce + fused_add_rmsnorm "
+                              "(the server without fusion) is faster")
+
+
+def test_pcie_x8_across_numa_one_shot_to_32k():
+    """x8 across NUMA nodes: one-shot's crossover about 48 KB; two-shot (from 16 tokens) never wins."""
+    x8 = {"oneshot": [9.0, 10.0, 12.0, 22.0, 40.0, 75.0] + [None] * 6,
+          "twoshot": [None] * 4 + [35.0, 60.0, 110.0, 210.0, 400.0, 780.0, 1500.0, 3000.0],
+          "unfused": [16.0, 16.5, 17.0, 19.0, 22.0, 30.0, 45.0, 90.0, 130.0, 220.0, 400.0, 760.0]}
+    limits = derive(table(x8), world=8, hidden=HIDDEN)
+    assert (limits.oneshot_max_bytes, limits.fused_max_bytes) == (32 * KIB, 32 * KIB)
+    assert "one-shot throughout; from 64 KiB (8 tokens) NCCL" in limits.verdict
+
+
+def test_unfused_faster_at_the_smallest_size_is_never_fused_and_says_what_wins():
+    """SGLang's PCIe-IPC allreduce beats both fused calls at the smallest size: never fused, even
+    though one-shot wins clearly from the next size on (where the summed time alone would fuse),
+    and the verdict names the path that wins and its switch."""
+    columns = dict(PCIE_X4, sglang_pcie_ipc=[5.0, 9.0, 12.0, 16.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1900.0])
+    limits = derive(table(columns), world=4, hidden=HIDDEN)
+    assert (limits.oneshot_max_bytes, limits.fused_max_bytes) == (0, 0) and limits.never_fused
+    assert limits.unfused == "sglang-pcie-ipc"
+    assert limits.verdict.startswith("fusion never wins at TP4, hidden 4096: already at 8 KiB per rank (1 token) the "
+                                     "unfused path takes 5.0 µs and the fused call 6.1 µs")
+    assert "SGLang's PCIe-IPC allreduce + norm (its switch on, fusion off)" in limits.verdict
+
+
+def test_a_tie_at_the_smallest_size_is_not_a_loss():
+    """Within noise at the smallest size: the release's choice (fuse) stands there."""
+    columns = {"oneshot": [13.6] + PCIE_X4["oneshot"][1:], "twoshot": PCIE_X4["twoshot"], "unfused": PCIE_X4["unfused"]}
+    limits = derive(table(columns), world=4, hidden=HIDDEN)
+    assert limits.fused_max_bytes == 256 * KIB
+    assert {"bytes": 8 * KIB, "tokens": 1, "paths": ["nccl", "oneshot"]} in limits.ties
+
+
+def test_a_blip_inside_a_run_of_wins_does_not_cut_the_limit_but_a_lasting_loss_does():
+    """One size where NCCL wins by 12% between sizes where one-shot wins by 30%: the limit goes
+    past it. The same loss at two sizes in a row, with nothing won beyond: the limit stops before."""
+    blip = dict(PCIE_X4, oneshot=[6.1, 6.6, 16.0, 10.5] + PCIE_X4["oneshot"][4:])
+    assert derive(table(blip), world=4, hidden=HIDDEN).fused_max_bytes == 256 * KIB
+    lasting = {"oneshot": [6.1, 6.6, 16.0, 17.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0],
+               "twoshot": [None] * 3 + [17.5, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0],
+               "unfused": PCIE_X4["unfused"]}
+    assert derive(table(lasting), world=4, hidden=HIDDEN).fused_max_bytes == 16 * KIB
+
+
+def test_noise_wide_enough_makes_every_size_a_tie_and_the_release_rule_stands():
+    """A spread of +-60%: nothing is told apart, so fused up to the largest size, one-shot up to
+    FlashInfer's own ceiling (TP4: 8 MiB, 1024 tokens at hidden 4096) and two-shot above."""
+    limits = derive(table(PCIE_X4, spread=(0.4, 1.6)), world=4, hidden=HIDDEN)
+    assert limits.fused_max_bytes == 2048 * HIDDEN * 2
+    assert limits.oneshot_max_bytes == release_oneshot_max_bytes(4) == 1024 * HIDDEN * 2
+    assert len(limits.ties) == 12
+
+
+def test_one_shot_never_passes_the_releases_ceiling():
+    """NVLink-like at TP8: one-shot beats everything at every size, but the tuned one-shot stops at
+    FlashInfer's own region (2.625 MiB per rank at TP8: 256 tokens at hidden 4096)."""
+    fast = {"oneshot": [5.0 * (1 + i) for i in range(12)], "twoshot": [None] * 4 + [40.0 * (1 + i) for i in range(8)],
+            "unfused": [100.0 * (1 + i) for i in range(12)]}
+    limits = derive(table(fast), world=8, hidden=HIDDEN)
+    assert limits.oneshot_max_bytes == 256 * HIDDEN * 2 <= release_oneshot_max_bytes(8)
+    assert limits.fused_max_bytes == 2048 * HIDDEN * 2
+
+
+def test_random_tables_keep_the_contracts_invariants():
+    """A <= B, A within the release's one-shot region, both measured sizes (or 0), and never
+    fused whenever an unfused path wins clearly at the smallest size."""
+    generator = random.Random(52)
+    tokens = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    for _ in range(300):
+        world = generator.choice((2, 4, 8))
+        columns = {name: [generator.uniform(5, 50) * (1 + i) ** generator.uniform(0.3, 1.2) for i in range(12)]
+                   for name in ("oneshot", "twoshot", "unfused")}
+        columns["twoshot"] = [None if n <= world else t for n, t in zip(tokens, columns["twoshot"])]
+        spread = generator.choice([(1.0, 1.0), (0.97, 1.04), (0.8, 1.3)])
+        rows = table(columns, spread=spread)
+        limits = derive(rows, world=world, hidden=HIDDEN)
+        sizes = {0} | {r.bytes for r in rows}
+        a, b = limits.oneshot_max_bytes, limits.fused_max_bytes
+        assert a <= b and a <= release_oneshot_max_bytes(world) and {a, b} <= sizes
+        first = rows[0].timings
+        if first["nccl"].q3 < first["oneshot"].q1:  # unfused clearly faster at the smallest size
+            assert b == 0
+
+
+# -- the profile ----------------------------------------------------------------------------
+
+from sm120patch import _tuned_runtime as runtime  # noqa: E402
+from sm120patch.bench import profile  # noqa: E402
+from sm120patch.errors import ExitCode, RefusedError, Sm120PatchError  # noqa: E402
+
+SOFTWARE = {"flashinfer-python": "0.6.4", "sglang": "0.5.9", "torch": "2.11.0+cu130"}
+GPUS = [{"bus_id": "0000:01:00.0", "uuid": "GPU-a"}, {"bus_id": "0000:02:00.0", "uuid": "GPU-b"},
+        {"bus_id": "0000:41:00.0", "uuid": "GPU-c"}, {"bus_id": "0000:42:00.0", "uuid": "GPU-d"}]
+
+
+def pcie_entry(world: int = 4, **overrides) -> dict:
+    rows = [dict(tokens=r.tokens, bytes=r.bytes) for r in table(PCIE_X4)]
+    limits = derive(table(PCIE_X4), world=world, hidden=HIDDEN)
+    made = profile.entry(limits, rows=rows, software=SOFTWARE, nccl_env=runtime._sm120patch_nccl_env(), dtype="bf16",
+                         hidden=HIDDEN, model=None, gpus=GPUS[:world])
+    return dict(made, **overrides)
+
+
+def test_a_new_profile_is_made_with_its_directory_readable_and_in_force_on_this_box(tmp_path):
+    """Written where nothing was (its directory made), world-readable for the server's user, no
+    temporary file left; the servers' own code accepts it for this box, this TP, these releases."""
+    path = tmp_path / "etc" / "sm120patch" / "tuned-limits.json"
+    box = runtime._sm120patch_box()
+    written = profile.write(path, box=box, tp=4, new_entry=pcie_entry())
+    assert written == profile.Written(path, False, False, (), False)
+    assert oct(path.stat().st_mode & 0o777) == "0o644" and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    document, why = runtime._sm120patch_load(str(path))
+    assert why == "" and runtime._sm120patch_check_document(document) == ""
+    entry, why = runtime._sm120patch_judge(document, 4, runtime._sm120patch_box(), runtime._sm120patch_nccl_env(),
+                                           SOFTWARE)
+    assert why == "" and (entry["oneshot_max_bytes"], entry["fused_max_bytes"]) == (64 * KIB, 256 * KIB)
+    assert runtime._sm120patch_judge(document, 2, box, runtime._sm120patch_nccl_env(), SOFTWARE)[1] == \
+        "no limits for TP2 (tuned: TP4)"
+
+
+def test_a_second_tp_joins_the_file_and_a_rerun_replaces_only_its_own_entry(tmp_path):
+    path = tmp_path / "tuned-limits.json"
+    box = runtime._sm120patch_box()
+    profile.write(path, box=box, tp=4, new_entry=pcie_entry())
+    first_tp4 = json_of(path)["entries"]["4"]
+    assert profile.write(path, box=box, tp=2, new_entry=pcie_entry(2)) == profile.Written(path, False, False, ("4",), False)
+    again = pcie_entry(verdict="measured again")
+    assert profile.write(path, box=box, tp=4, new_entry=again) == profile.Written(path, True, False, ("2",), False)
+    entries = json_of(path)["entries"]
+    assert list(entries) == ["2", "4"] and entries["4"] == again != first_tp4 and entries["2"] == pcie_entry(2) | {
+        "created": entries["2"]["created"]}
+
+
+def test_a_profile_from_another_box_is_replaced_whole_and_said(tmp_path):
+    path = tmp_path / "tuned-limits.json"
+    other = {"gpus": [{"bus_id": "0000:81:00.0"}], "driver": "580.1"}
+    profile.write(path, box=other, tp=2, new_entry=pcie_entry(2))
+    box = runtime._sm120patch_box()
+    assert profile.write(path, box=box, tp=4, new_entry=pcie_entry()) == profile.Written(path, False, True, (), False)
+    document = json_of(path)
+    assert document["box"] == box and list(document["entries"]) == ["4"]
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"server_args: {}\n", "holds something that is not a tuned-limits profile (JSONDecodeError)"),
+    (b'{"kind": "an ansible inventory"}', "not an sm120patch tuned-limits profile"),
+    (b'{"kind": "sm120patch tuned limits", "format": 9, "box": {}, "entries": {}}',
+     "format 9, written by a newer sm120patch (this patch reads format 1)"),
+])
+def test_a_file_that_is_not_a_profile_this_version_reads_is_never_overwritten(tmp_path, content, said):
+    path = tmp_path / "tuned-limits.json"
+    path.write_bytes(content)
+    with pytest.raises(RefusedError) as raised:
+        profile.write(path, box=runtime._sm120patch_box(), tp=4, new_entry=pcie_entry())
+    assert said in raised.value.message and "nothing was written" in raised.value.message
+    assert raised.value.hint == "move it away, or pass --profile with another path"
+    assert path.read_bytes() == content and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_path_that_cannot_be_written_is_one_error_with_the_way_out(tmp_path):
+    """The parent is a file (as unwritable as /etc/sm120patch for a user, and so for root too):
+    one line, exit 4, the command with --profile somewhere writable and the variable to set."""
+    blocker = tmp_path / "etc"
+    blocker.write_text("a file, not a directory")
+    with pytest.raises(Sm120PatchError) as raised:
+        profile.write(blocker / "sm120patch" / "tuned-limits.json", box={}, tp=4, new_entry=pcie_entry())
+    error = raised.value
+    assert error.exit_code == ExitCode.FAILED and error.message.startswith(f"cannot write the profile at {blocker}/sm120patch")
+    assert "nothing was written" in error.message and "\n" not in error.message
+    assert error.hint_line.startswith("`--profile ") and "set SM120PATCH_TUNED_LIMITS to that path" in error.hint_line
+
+
+def test_ranks_sharing_a_gpu_are_refused_unless_a_test_forces_it(monkeypatch):
+    shared = [GPUS[0], GPUS[1], dict(GPUS[0], uuid="MIG-1")]
+    with pytest.raises(RefusedError) as raised:
+        profile.refuse_shared_gpus(shared)
+    assert raised.value.message.startswith("ranks 0 and 2 ran on one GPU (0000:01:00.0): their timings measure one GPU "
+                                           "taking turns")
+    profile.refuse_shared_gpus(GPUS)
+    with pytest.raises(RefusedError, match=r"^ranks 0 and 1 ran on one GPU \(GPU-a\)"):
+        profile.refuse_shared_gpus([{"bus_id": None, "uuid": "GPU-a"}] * 2)
+    monkeypatch.setenv(profile.ALLOW_SHARED, "1")
+    profile.refuse_shared_gpus(shared)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"hidden_size": 7168, "torch_dtype": "bfloat16"}, (7168, "bf16")),
+    ({"text_config": {"hidden_size": 5120, "torch_dtype": "float16"}}, (5120, "fp16")),
+    ({"hidden_size": 4096, "dtype": "float32"}, (4096, None)),
+])
+def test_a_models_config_gives_its_hidden_size_and_dtype(tmp_path, config, expected):
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    assert profile.read_model(tmp_path / "config.json") == expected
+    assert profile.read_model(tmp_path) == expected  # the model's directory
+
+
+def json_of(path: Path) -> dict:
+    return __import__("json").loads(path.read_text())
+
+
+# -- the command, from the workers' document to the profile ------------------------------------
+# The workers need CUDA GPUs: here `run` hands back the document they write (its rows the PCIe
+# table above, its box and NCCL settings this machine's, as the worker computes them with
+# _tuned_runtime.py), and everything after it is the real code.
+
+from click.testing import CliRunner  # noqa: E402
+
+from sm120patch import bench  # noqa: E402
+from sm120patch.cli import cli  # noqa: E402
+from sm120patch.distributions import load_registry  # noqa: E402
+
+
+def pcie_rows() -> list[dict]:
+    rows = []
+    for index, n in enumerate((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)):
+        row = {"tokens": n, "bytes": n * HIDDEN * 2, "graphs": True}
+        for column, medians in PCIE_X4.items():
+            if medians[index] is not None:
+                row.update({f"{column}_us": medians[index], f"{column}_iqr_us": [medians[index] * 0.98,
+                                                                                  medians[index] * 1.03]})
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture
+def tuned(monkeypatch):
+    """`bench --tune --tp 4 --hidden 4096` with the workers' document given: returns a function
+    that runs the command with these GPUs (bus ids per rank) and extra arguments."""
+    def invoke(*args, gpus=GPUS):
+        def prepare(request):
+            return bench._Prepared(bench.replace(request, python=Path("/srv/env/bin/python")), 4,
+                                   load_registry(full=False), None, [])
+
+        def run(request, *, world_size, on_event=None, servers=(), tune=None):
+            assert tune["oneshot_max_bytes"] == 8 * 2 ** 20 and tune["repeats"] == 7
+            assert {"flashinfer-python", "sglang", "vllm", "torch"} <= set(tune["distributions"])
+            assert tune["runtime"] == Path(runtime.__file__).read_text()
+            meta = {"flashinfer": "0.6.4", "torch": "2.11.0+cu130", "cuda": "13.0", "device": "NVIDIA RTX PRO 6000",
+                    "capability": "12.0", "tune": {"box": runtime._sm120patch_box(), "gpus": list(gpus),
+                                                   "nccl_env": runtime._sm120patch_nccl_env(), "software": SOFTWARE,
+                                                   "rows": pcie_rows()}}
+            return bench.BenchReport(request, world_size, meta, [])
+
+        monkeypatch.setattr(bench, "_prepare", prepare)
+        monkeypatch.setattr(bench, "run", run)
+        return CliRunner().invoke(cli, ["bench", "--tune", "--tp", "4", *args])
+    return invoke
+
+
+def test_tune_writes_a_profile_the_servers_take_and_says_what_it_measured(tuned, tmp_path):
+    path = tmp_path / "tuned-limits.json"
+    result = tuned("--hidden", "4096", "--profile", str(path))
+    assert result.exit_code == 0, result.output
+    entry, why = runtime._sm120patch_judge(json_of(path), 4, runtime._sm120patch_box(), runtime._sm120patch_nccl_env(),
+                                           SOFTWARE)
+    assert why == "" and (entry["oneshot_max_bytes"], entry["fused_max_bytes"], entry["unfused"]) == (
+        64 * KIB, 256 * KIB, "nccl")
+    assert entry["gpus_used"] == [g["bus_id"] for g in GPUS] and entry["table"] == pcie_rows()
+    assert entry["software"] == SOFTWARE and entry["hidden"] == HIDDEN and entry["dtype"] == "bf16"
+    lines = result.output.splitlines()
+    assert "limits at TP4: one-shot up to 64 KiB per rank, fused up to 256 KiB (32 tokens at hidden 4096), unfused beyond" \
+        in lines
+    assert "  tie at 256 KiB: NCCL+norm and two-shot are within each other's interquartile range" in lines
+    assert f"verdict: {entry['verdict']}" in lines
+    assert f"profile: wrote the TP4 limits into {path}" in lines
+    assert "       1     8 KiB           6.1 [6.0-6.3]                       -        13.5 [13.2-13.9]" in lines
+    assert "    2048    16 MiB  1520.0 [1489.6-1565.6]  1130.0 [1107.4-1163.9]     700.0 [686.0-721.0]" in lines
+    assert lines[-1] == ("  it holds for this box (its GPUs, PCIe paths, driver), these releases and NCCL settings; servers "
+                         "patched with tuned-limits read it at start if their environment has "
+                         f"SM120PATCH_TUNED_LIMITS={path}")
+
+
+def test_tune_from_ranks_sharing_a_gpu_prints_the_table_and_writes_nothing(tuned, tmp_path, monkeypatch):
+    path = tmp_path / "tuned-limits.json"
+    result = tuned("--hidden", "4096", "--profile", str(path), gpus=[GPUS[0], GPUS[0], GPUS[2], GPUS[3]])
+    assert result.exit_code == ExitCode.REFUSED and not path.exists()
+    assert "profile: not written (below)" in result.output
+    assert "sm120patch: error: ranks 0 and 1 ran on one GPU (0000:01:00.0)" in result.output
+    monkeypatch.setenv(profile.ALLOW_SHARED, "1")
+    assert tuned("--hidden", "4096", "--profile", str(path), gpus=[GPUS[0]] * 4).exit_code == 0 and path.exists()
+
+
+def test_tune_reads_the_models_config_and_its_dtype(tuned, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"text_config": {"hidden_size": 4096}, "torch_dtype": "float16"}')
+    path = tmp_path / "tuned-limits.json"
+    assert tuned("--model", str(model / "config.json"), "--profile", str(path)).exit_code == 0
+    entry = json_of(path)["entries"]["4"]
+    assert (entry["hidden"], entry["dtype"], entry["model"]) == (4096, "fp16", str(model / "config.json"))
+    assert tuned("--model", str(model), "--dtype", "bf16", "--profile", str(path)).exit_code == 0
+    assert json_of(path)["entries"]["4"]["dtype"] == "bf16"  # --dtype given wins over the model's
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--model", "/m/config.json"], "--model is for --tune"),
+    (["--repeats", "9"], "--repeats is for --tune"),
+    (["--tune"], "--tune measures for one model: pass --hidden N"),
+    (["--tune", "--hidden", "4096,7168"], "--tune: one hidden size (the model's), not 4096,7168"),
+    (["--tune", "--hidden", "4096", "--check-only"], "drop --check-only and --strategy"),
+    (["--tune", "--hidden", "4096", "--repeats", "2"], "2 is not in the range 3<=x<=101"),
+    (["--tune", "--model", "/nonexistent/config.json"], "--model /nonexistent/config.json: cannot read it as a model's"),
+])
+def test_tune_options_are_refused_as_they_are_parsed(args, said):
+    result = CliRunner().invoke(cli, ["bench", *args])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(errors) == 1 and said in errors[0] and "Traceback" not in result.output
+
+
+def test_without_profile_the_tuner_writes_where_the_servers_look(tuned, tmp_path, monkeypatch):
+    """$SM120PATCH_TUNED_LIMITS (else /etc/sm120patch/tuned-limits.json): no variable to set then."""
+    path = tmp_path / "fleet" / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    result = tuned("--hidden", "4096")
+    assert result.exit_code == 0 and path.exists()
+    assert result.output.splitlines()[-1].endswith("servers patched with tuned-limits read it at start")
+
+
+def test_tune_json_is_the_entry_and_where_it_went(tuned, tmp_path):
+    import json
+
+    path = tmp_path / "tuned-limits.json"
+    result = tuned("--hidden", "4096", "--profile", str(path), "--json")
+    assert result.exit_code == 0
+    document = json.loads(result.stdout)
+    assert document["entry"] == json_of(path)["entries"]["4"] and document["errors"] == []
+    assert document["profile"] == {"path": str(path), "replaced_tp": False, "other_box": False, "kept": []}
+    assert document["world_size"] == 4 and document["flashinfer"] == "0.6.4"
