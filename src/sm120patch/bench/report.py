@@ -122,9 +122,10 @@ class BenchReport:
                             f"batch size (SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens)")
         else:
             cut = min((limit for limit in limits if limit), key=lambda c: c.tokens)
-            sglang = (None, f"turn {self.sglang_flag} on only if your batches stay at or below "
-                            f"{counted(cut.tokens, 'token')} (decode, speculative verify): fused wins up to there and loses "
-                            f"beyond, and SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens")
+            sglang = (None, f"fused wins up to {counted(cut.tokens, 'token')} (decode, speculative verify) and loses "
+                            f"beyond, but SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens: `sm120patch bench "
+                            f"--tune` measures the limits and `sm120patch apply --with tuned-limits` makes SGLang fuse "
+                            f"only up to them; without that, turn {self.sglang_flag} on only if your batches stay there")
         smallest = min((limit for limit in limits if limit), key=lambda c: c.bytes, default=None)
         if smallest is None or loses_at_start:
             vllm = (None, "leave vLLM's fuse_allreduce_rms pass off on this machine")
