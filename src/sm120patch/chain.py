@@ -168,8 +168,8 @@ def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDis
         _tp(distribution, server, commands),
     ]
     upstream = ""
-    if device is not None and device.devices:
-        majors = {d.capability[0] for d in device.devices}
+    if device is not None and device.capabilities:
+        majors = {major for major, _ in device.capabilities}
         if majors <= set(UPSTREAM_MAJORS):
             upstream = "SM" + "/SM".join(f"{m}0" for m in sorted(majors))
             # Upstream fuses here: neither library's SM120 gates stand in the way.
@@ -185,14 +185,20 @@ def _device(device: DriverFacts | None, commands: Commands) -> Step:
         return Step("device", StepResult.UNKNOWN, "not read by status: on SM90/SM100 upstream fuses without any patch, "
                     "and the workspace path below is the one for a GPU without multicast (PCIe, what SM120 boxes are)",
                     fix=commands.doctor)
-    if not device.devices:
+    capabilities = device.capabilities
+    if not capabilities:
         return Step("device", StepResult.UNKNOWN, f"the driver was not read ({device.error})")
-    sms = sorted({d.sm for d in device.devices})
-    text = f"{len(device.devices)} GPU{'s' if len(device.devices) != 1 else ''}, compute capability {', '.join(sms)}"
-    text += "; multicast" if device.multicast else "; no multicast"
-    majors = {d.capability[0] for d in device.devices}
+    sms = sorted({f"{major}.{minor}" for major, minor in capabilities})
+    text = f"{len(capabilities)} GPU{'s' if len(capabilities) != 1 else ''}, compute capability {', '.join(sms)}"
+    if device.devices:
+        text += "; multicast" if device.multicast else "; no multicast"
+    else:
+        text += f" (nvidia-smi; the driver answered nothing: {device.error}, so multicast and peer access are not known)"
+    majors = {major for major, _ in capabilities}
     if not majors <= {SM120_MAJOR, *UPSTREAM_MAJORS}:
         return Step("device", StepResult.BLOCKS, text + ": FlashInfer's fused allreduce runs on SM90, SM100 and (patched) SM120 only")
+    if not device.devices:
+        return Step("device", StepResult.UNKNOWN, text)
     if device.peers_ok is False:
         missing = sorted(f"GPU{i}->GPU{j}" for (i, j), ok in device.peer_access.items() if not ok)
         return Step("device", StepResult.BLOCKS, text + f"; no peer access {', '.join(missing)}: every fusion workspace "
