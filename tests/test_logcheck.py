@@ -400,6 +400,25 @@ def test_vllm_before_0_19_fuses_silently_at_info_and_says_so(tmp_path, version):
     assert "unicast-workspace" in doc["fix"]
 
 
+def test_vllm_034_hisparse_backend_lines(tmp_path):
+    """0.34.0's own HiSparse lines: on one node trtllm at once (a note, fusion goes on), across
+    nodes no FlashInfer allreduce (a fall-back)."""
+    version = "0.34.0"
+    text = vllm_settings(version, 2, True)
+    one_node = text + vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                                logged("vllm", version, VLLM_FI, "Using flashinfer allreduce backend trtllm: the mnnvl"))
+    for rank in (0, 1):
+        one_node += vllm_line(version, f"Worker_TP{rank}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm"))
+    code, doc = check(tmp_path, one_node + vllm_ready(version))
+    assert code == 0 and doc["verdict"] == "fused" and any("HiSparse" in n for n in doc["notes"]), doc
+    nodes = text + vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                             logged("vllm", version, VLLM_FI, "FlashInfer allreduce is disabled: the mnnvl"), "WARNING")
+    code, doc = check(tmp_path, nodes + vllm_ready(version))
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "workspace" and "vllm#64327" in doc["fix"], doc
+
+
 def test_vllm_019_without_multicast_falls_back_and_029_notes_it(tmp_path):
     e = "[SymmDeviceMemory] Device does not support multicasting."
     for version, verdict in (("0.19.0", "fell-back"), ("0.29.0", "starting")):
