@@ -255,9 +255,9 @@ def _kernel_path(server: Assessment, kernels: Assessment, path: KernelPath, work
     if build or run:
         why = []
         if build:
-            why.append(f"without {_them(build)} its JIT module does not build for SM120")
+            why.append(f"without {', '.join(build)} its JIT module does not build for SM120")
         if run:
-            why.append(f"without {_them(run)} {path.calls} does not run there")
+            why.append(f"without {', '.join(run)} {path.calls} does not run there")
         return Step("kernel-gates", StepResult.BLOCKS, f"{_gate_text(a, build + run)}: {who} calls {path.calls}, and "
                     + "; ".join(why), fix=commands.apply)
     launch = [i for i in states if i in path.launch and states[i] != "applied"]
@@ -274,10 +274,6 @@ def _kernel_path(server: Assessment, kernels: Assessment, path: KernelPath, work
                        f"fix of kernels {server.name} does not call (the plain custom allreduce, the MoE fusion)")
     return Step("kernel-gates", StepResult.OK, text, fix=commands.apply,
                 note=f"{a.name} {a.raw_version} is {a.verdict.value}: " + "; ".join(missing) + " — `apply` completes it")
-
-
-def _them(ids: list[str]) -> str:
-    return ids[0] if len(ids) == 1 else ", ".join(ids)
 
 
 def _server_gates(server: Assessment, workspace_ids: set[tuple[str, str]], commands: Commands) -> Step:
