@@ -209,3 +209,28 @@ def test_0_34_added_through_manifest_add_is_covered_by_status_apply_and_revert(t
     assert verified.exit_code == 0 and "FI_ALLREDUCE_FUSION_MAX_SIZE_MB keys: [90, 120, 100, 103, 107]" in verified.output
     assert session("revert").exit_code == 0
     assert changed(before, snapshot(env)) == []
+
+
+@pytest.mark.wheels  # fetches a real vLLM wheel itself (no wheel fixture marks it)
+def test_a_hand_fixed_jit_gate_is_what_the_fusion_pass_needs_of_flashinfers_kernel_patches(tmp_path, flashinfer_wheel):
+    """vLLM 0.19 calls allreduce_fusion (backend trtllm), the fused kernel of
+    trtllm_allreduce_fusion.cuh: with FlashInfer's JIT gate opened by hand that kernel builds
+    and runs on SM120, so the kernel-gates step is open and says what the rest would complete;
+    on a GPU without multicast this pair still needs unicast-workspace, which the workspace step
+    says."""
+    import subprocess
+
+    env = vllm_env(tmp_path, "0.19.0", flashinfer_wheel)
+    session = Session(env)
+    subprocess.run(["sed", "-i", r"s/supported_major_versions=\[9, 10\]/supported_major_versions=[9, 10, 12]/",
+                    str(env.file("flashinfer/jit/comm.py"))], check=True)
+    assert session("apply", "--vllm").exit_code == 0
+    fusion = next(d for d in json.loads(session("status", "--json").output)["distributions"]
+                  if d["name"] == "vllm")["fusion"]
+    steps = {s["id"]: s for s in fusion["steps"]}
+    assert steps["kernel-gates"]["result"] == "ok", steps["kernel-gates"]
+    assert steps["kernel-gates"]["text"] == (f"flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are open for vllm "
+                                             "0.19.0's fused call (trtllm_allreduce_fusion.cuh's fused kernel): jit-gate applied")
+    assert "they complete upstream's fix of kernels vllm does not call" in steps["kernel-gates"]["note"]
+    assert steps["workspace"]["result"] == "blocks" and "unicast-workspace" in steps["workspace"]["text"]
+    assert fusion["verdict"] == "will not fuse" and "unicast-workspace" in fusion["headline"]
