@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
 
 import pytest
 
-from helpers import FLASHINFER_VERSION, SGLANG_VERSION, run_cli, snapshot
+from helpers import FLASHINFER_VERSION, SGLANG_VERSION, changed, run_cli, snapshot
 from sm120patch import chain, driver, pipeline
 
 pytestmark = pytest.mark.wheels
@@ -46,8 +47,8 @@ def test_pristine_says_it_will_not_fuse_and_why_with_the_command_that_fixes_it(s
     assert fusion["verdict"] == "will not fuse"
     assert fusion["headline"] == (
         f"sglang {SGLANG_VERSION} will not fuse on SM120: flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are "
-        "closed (not patched: jit-gate, pdl-gates, lamport-stride, cluster-clamp, cluster-clamp-moe, "
-        f"cluster-clamp-custom not applied) — `{apply}`")
+        f"closed (not patched: jit-gate not applied): sglang {SGLANG_VERSION} calls trtllm_allreduce_fusion.cuh's "
+        f"fused kernel, and without jit-gate its JIT module does not build for SM120 — `{apply}`")
     assert results(fusion) == {"device": "unknown", "kernel-gates": "blocks", "server-gates": "blocks",
                                "requested": "ok", "workspace": "ok", "jit": "ok", "tp": "ok"}
     steps = {s["id"]: s for s in fusion["steps"]}
@@ -206,3 +207,60 @@ def test_the_tp_step_says_which_limits_are_in_force(sm120patch, tmp_path, monkey
     gone = tp()
     assert gone["text"].startswith(f"tuned-limits applied, but no profile holds here (no profile at {profile}): the "
                                    "server keeps the release's own limits (SGLang fuses every batch")
+
+
+# The field report's hand fix, as its user ran it on the installed files (sed, nothing else): the
+# JIT gate's list, and SM120 in SGLang 0.5.9's fusion predicate.
+HAND_FIX = {
+    "flashinfer/jit/comm.py": [r"s/supported_major_versions=\[9, 10\]/supported_major_versions=[9, 10, 12]/"],
+    "sglang/srt/layers/communicator.py": [
+        r"s/^    is_sm100_supported,$/    is_sm100_supported,\n    is_sm120_supported,/",
+        r"s/^_is_sm100_supported = _is_cuda and is_sm100_supported()$/&\n_is_sm120_supported = _is_cuda and is_sm120_supported()/",
+        r"s/(_is_sm90_supported or _is_sm100_supported)/(_is_sm90_supported or _is_sm100_supported or _is_sm120_supported)/",
+    ],
+}
+
+
+def test_the_field_reports_hand_fix_fuses_says_what_is_missing_and_apply_completes_it(sm120patch):
+    """SGLang 0.5.9 calls trtllm_allreduce_fusion, whose kernel (trtllm_allreduce_fusion.cuh)
+    has no `< 1200` bound: with the JIT gate and the predicate opened by hand it builds and runs
+    on SM120. The chain says so, names what is missing and what it means, and `apply` adopts the
+    hand edits and completes them; revert gives back the release's bytes."""
+    env = sm120patch.env
+    release = snapshot(env)
+    for relpath, script in HAND_FIX.items():
+        subprocess.run(["sed", "-i", *(a for s in script for a in ("-e", s)), str(env.file(relpath))], check=True)
+    assert changed(release, snapshot(env)) == sorted(str(env.file(r)) for r in HAND_FIX)
+
+    fusion = fusion_of(sm120patch)
+    assert fusion["verdict"] == "will fuse", fusion["headline"]
+    assert results(fusion) == {"device": "unknown", "kernel-gates": "ok", "server-gates": "ok", "requested": "ok",
+                               "workspace": "ok", "jit": "ok", "tp": "ok"}
+    kernel = next(s for s in fusion["steps"] if s["id"] == "kernel-gates")
+    assert kernel["text"] == (f"flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are open for sglang {SGLANG_VERSION}'s "
+                              "fused call (trtllm_allreduce_fusion.cuh's fused kernel): jit-gate applied")
+    assert kernel["note"].startswith(f"flashinfer-python {FLASHINFER_VERSION} is partly patched: cluster-clamp not applied: "
+                                     "the fused kernel launches its thread-block cluster as released")
+    assert ("; pdl-gates, lamport-stride, cluster-clamp-moe, cluster-clamp-custom not applied: they complete upstream's "
+            "fix of kernels sglang does not call (the plain custom allreduce, the MoE fusion) — `apply` completes it"
+            in kernel["note"])
+    assert fusion["headline"].startswith(f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`; "
+                                         f"{kernel['note']}; its first start compiles trtllm_comm")
+    status = sm120patch("status")
+    assert status.exit_code == 1  # partly patched: not done, and status says what it will do all the same
+    assert headline(status.output) == "  - " + fusion["headline"]
+    assert f"`{commands(sm120patch, 'apply')}` (completes the partial patch" in status.output
+
+    applied = sm120patch("apply")
+    assert applied.exit_code == 0, applied.output
+    fusion = fusion_of(sm120patch)
+    kernel = next(s for s in fusion["steps"] if s["id"] == "kernel-gates")
+    assert kernel["text"] == (f"flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are open (jit-gate, pdl-gates, "
+                              "lamport-stride, cluster-clamp, cluster-clamp-moe, cluster-clamp-custom applied)")
+    assert not kernel["note"] and fusion["verdict"] == "will fuse"
+    document = json.loads(sm120patch("status", "--json").output)
+    assert {d["name"]: d["state"] for d in document["distributions"]} == {"flashinfer-python": "patched",
+                                                                         "sglang": "patched"}
+
+    assert sm120patch("revert").exit_code == 0
+    assert changed(release, snapshot(env)) == []

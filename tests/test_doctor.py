@@ -4,6 +4,7 @@ command with and without nvidia-smi."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_doctor_on_a_pcie_sm120_box_warns_to_benchmark(read_only_cli, fake_nvidi
     fake_nvidia_smi("sm120x4-query.csv", "sm120x4-topo.txt")
     result = read_only_cli("doctor")
     assert result.exit_code == 0, result.output
-    assert result.output.count("compute capability 12.0") == 4
+    assert result.output.count(", compute capability 12.0,") == 4  # one line per GPU
     assert "WARN  GPUs talk over PCIe only (no NVLink)" in result.output
     assert "benchmark" in result.output
 
@@ -127,3 +128,19 @@ def test_doctor_json_is_one_document(read_only_cli, fake_nvidia_smi):
     document = json.loads(result.output)
     text = json.dumps(document)
     assert "12.0" in text and "PCIe" in text and "flashinfer-python" in text
+
+
+def test_doctor_judges_the_chain_by_nvidia_smi_when_the_driver_answers_nothing(read_only_cli, fake_nvidia_smi):
+    """An H200 (compute capability 9.0, the captured output) on a machine whose CUDA driver
+    library sm120patch cannot use (none here): upstream fuses there without a patch, so each
+    chain speaks of those GPUs, not of SM120, and asks for no `apply`."""
+    fake_nvidia_smi("h200-query.csv", "h200-topo.txt")
+    result = read_only_cli("doctor")
+    assert result.exit_code == 0, result.output
+    assert "fuse on SM120" not in result.output and "sm120patch apply" not in result.output, result.output
+    assert "sglang 0.5.9 will" in result.output and "on these GPUs (SM90)" in result.output
+    assert "kernel-gates blocks" not in result.output and "server-gates blocks" not in result.output
+    assert ("device unknown: 1 GPU, compute capability 9.0 (nvidia-smi; the driver answered nothing"
+            in result.output), result.output
+    findings = json.loads(read_only_cli("doctor", "--json").output)["findings"]
+    assert any("on these GPUs (SM90)" in f["text"] for f in findings)

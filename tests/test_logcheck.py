@@ -94,16 +94,24 @@ def vllm_line(version: str, process: str | None, file: str, message: str, level:
                and getattr(n.targets[0], "id", None) == "_FORMAT")
     datefmt = next(n.value.value for n in ast.walk(ast.parse(logger_src)) if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "_DATE_FORMAT")
-    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX="")})  # noqa: S307
-    record = logging.makeLogRecord({"msg": "\x00", "levelname": level, "lineno": 42})
+    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX=""),  # noqa: S307
+                                   "VLLM_LOGGING_PREFIX": ""})  # 0.11: imported from vllm.envs by name
+    pid = 4000 + sum(map(ord, process or "MainProcess"))
+    record = logging.makeLogRecord({"msg": "\x00", "levelname": level, "lineno": 42, "process": pid})
     record.fileinfo = file
+    # From 0.31 the record format names the process itself (set_vllm_process_name; the main
+    # process keeps multiprocessing's name) and the workers' _add_prefix is gone.
+    record.vllm_process_name = process or "MainProcess"
     header = logging.Formatter(text, datefmt).format(record).split("\x00")[0]
     prefix = ""
-    if process is not None:
+    if process is not None and "vllm_process_name" not in text:
         utils = wheel_text("vllm", version, "vllm/utils/system_utils.py")
         shape = next(n.value for n in ast.walk(_function(utils, "_add_prefix")) if isinstance(n, ast.Assign)
                      and getattr(n.targets[0], "id", None) == "prefix")
-        prefix = eval(ast.unparse(shape), {"worker_name": process, "pid": 4000 + sum(map(ord, process))})  # noqa: S307
+        # 0.11 colours the prefix whatever the stream is: the module's own CYAN and RESET.
+        colours = {n.targets[0].id: n.value.value for n in ast.parse(utils).body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", None) in ("CYAN", "RESET")}
+        prefix = eval(ast.unparse(shape), {"worker_name": process, "pid": pid, **colours})  # noqa: S307
     return "".join(f"{prefix}{header}{line}\n" for line in message.split("\n"))
 
 
@@ -273,20 +281,36 @@ VLLM_PASS = "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"
 
 
 def vllm_settings(version: str, tp: int, on: bool) -> str:
+    flag = "enable_fi_allreduce_fusion" if Version(version) < Version("0.12.0") else "fuse_allreduce_rms"
     message = logged("vllm", version, "vllm/v1/engine/core.py", "Initializing a V1 LLM engine (v",
                      VLLM_VERSION=version,
                      vllm_config=f"model='m', tensor_parallel_size={tp}, compilation_config="
-                                 + ("{'pass_config': {'fuse_allreduce_rms': True}}" if on else "{}"))
+                                 + (f"{{'pass_config': {{'{flag}': True}}}}" if on else "{}"))
     return vllm_line(version, "EngineCore_DP0", "core.py", message)
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.29.0"])
+def vllm_ready(version: str) -> str:
+    """The API server's ready line, from wherever the release keeps it."""
+    for relpath, fragment in (("vllm/entrypoints/launchers/api_server/entry.py", "Starting vLLM server on "),
+                              ("vllm/entrypoints/openai/api_server.py", "Starting vLLM server on "),
+                              ("vllm/entrypoints/openai/api_server.py", "Starting vLLM API server ")):
+        try:
+            message = logged("vllm", version, relpath, fragment, listen_address="http://0.0.0.0:8000",
+                             engine_client=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+                                 parallel_config=types.SimpleNamespace(_api_process_rank=0))))
+        except (KeyError, AssertionError, NameError):
+            continue
+        return vllm_line(version, "APIServer", "api_server.py", message)
+    raise AssertionError(f"vllm {version}: no ready line")
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.29.0", "0.30.0", "0.31.0", "0.34.0"])
 def test_vllm_fused_starting_fell_back_and_crashed(tmp_path, version):
     text = vllm_settings(version, 2, True)
     for rank in (0, 1):
         text += vllm_line(version, f"Worker_TP{rank}", "backends.py",
                           logged("vllm", version, "vllm/compilation/backends.py", "Compiling a graph for compile range ",
-                                 compile_range="(1, 8192)", elapsed=3.2))
+                                 compile_range="(1, 8192)", elapsed=3.2, _log_prefix=lambda: ""))
     code, doc = check(tmp_path, text)  # server and release from the lines
     assert code == 5 and doc["verdict"] == "starting" and doc["version"] == version and doc["server"] == "vllm", doc
     assert doc["version_from"] == "the log"
@@ -295,10 +319,7 @@ def test_vllm_fused_starting_fell_back_and_crashed(tmp_path, version):
         fused += vllm_line(version, f"Worker_TP{rank}", "flashinfer_all_reduce.py",
                            logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
                                   backend="trtllm"))
-    ready = vllm_line(version, "APIServer", "api_server.py",
-                      logged("vllm", version, "vllm/entrypoints/openai/api_server.py" if version == "0.19.0"
-                             else "vllm/entrypoints/launchers/api_server/entry.py", "Starting vLLM server on ",
-                             listen_address="http://0.0.0.0:8000"))
+    ready = vllm_ready(version)
     code, doc = check(tmp_path, fused + ready)
     assert code == 0 and doc["verdict"] == "fused" and doc["backend"] == "trtllm", doc
     assert sorted(r["rank"] for r in doc["ranks"]) == ["Worker_TP0", "Worker_TP1"]
@@ -318,6 +339,84 @@ def test_vllm_fused_starting_fell_back_and_crashed(tmp_path, version):
     code, doc = check(tmp_path, died)
     assert code == 1 and doc["verdict"] == "crashed" and doc["step"] == "kernel-gates", doc
     assert doc["crash"]["frame_file"] == SITE + "flashinfer/compilation_context.py"
+
+
+VLLM_OLD_PASS = "vllm/compilation/collective_fusion.py"  # the fusion pass up to 0.15.x
+
+
+@pytest.mark.parametrize("version", ["0.11.1", "0.12.0", "0.15.1", "0.16.0", "0.17.0", "0.18.1"])
+def test_vllm_before_0_19_fuses_silently_at_info_and_says_so(tmp_path, version):
+    """vLLM 0.11.1-0.18.x, which status covers: the pass logs its workspace only at DEBUG (0.17-0.18)
+    or not at all (0.11.1-0.16.0), and says why in a warning when it stays off."""
+    fusion_file = VLLM_OLD_PASS if Version(version) < Version("0.16.0") else VLLM_PASS
+    text = vllm_settings(version, 2, True)
+    compiling = ("Compiling a graph for compile range " if Version(version) >= Version("0.13.0")
+                 else "Compiling a graph for dynamic shape takes ")
+    for rank in (0, 1):
+        text += vllm_line(version, f"Worker_TP{rank}", "backends.py",
+                          logged("vllm", version, "vllm/compilation/backends.py", compiling,
+                                 compile_range="(1, 8192)", elapsed=3.2, runtime_shape=None, _log_prefix=lambda: ""))
+    code, doc = check(tmp_path, text)
+    assert code == 5 and doc["verdict"] == "starting" and doc["version"] == version, doc
+    assert "torch.compile" in doc["summary"]
+
+    code, doc = check(tmp_path, text + vllm_ready(version))
+    assert code == 0 and doc["verdict"] == "fused" and doc["final"], doc
+    assert "only at DEBUG" in doc["summary"] and "none of the warnings" in doc["summary"], doc
+
+    code, doc = check(tmp_path, vllm_settings(version, 2, False) + vllm_ready(version))
+    assert code == 1 and doc["verdict"] == "not-requested", doc
+
+    gated = text + vllm_line(version, "Worker_TP0", fusion_file.rsplit("/", 1)[1],
+                             logged("vllm", version, fusion_file, "is not supported for world size", tp_size=2),
+                             "WARNING") + vllm_ready(version)
+    code, doc = check(tmp_path, gated)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "server-gates", doc
+    assert "fusion-table" in doc["fix"]
+
+    died = text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                            logged("vllm", version, "vllm/v1/executor/multiproc_executor.py",
+                                   "WorkerProc failed to start.") + "\n" + flashinfer_unpatched_traceback(), "ERROR")
+    code, doc = check(tmp_path, died)
+    assert code == 1 and doc["verdict"] == "crashed" and doc["step"] == "kernel-gates", doc
+
+    if Version(version) < Version("0.17.0"):
+        return
+    # 0.17-0.18 at DEBUG: the workspace on every rank; without multicast, the pass's own warning.
+    fused = text
+    for rank in (0, 1):
+        fused += vllm_line(version, f"Worker_TP{rank}", "flashinfer_all_reduce.py",
+                           logged("vllm", version, VLLM_FI, "Initialized FlashInfer All Reduce workspace: backend=",
+                                  backend="trtllm", world_size=2, rank=rank, max_token_num=2048, hidden_dim=4096,
+                                  dtype="torch.bfloat16"), "DEBUG")
+    code, doc = check(tmp_path, fused + vllm_ready(version))
+    assert code == 0 and doc["verdict"] == "fused" and doc["backend"] == "trtllm", doc
+    assert "on every rank (2 of 2)" in doc["summary"]
+    refused = text + vllm_line(version, "Worker_TP0", "allreduce_rms_fusion.py",
+                               logged("vllm", version, VLLM_PASS, "AllReduce fusion pass is disabled: flashinfer workspace ",
+                                      e="[SymmDeviceMemory] Device does not support multicasting."), "WARNING")
+    code, doc = check(tmp_path, refused)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "workspace", doc
+    assert "unicast-workspace" in doc["fix"]
+
+
+def test_vllm_034_hisparse_backend_lines(tmp_path):
+    """0.34.0's own HiSparse lines: on one node trtllm at once (a note, fusion goes on), across
+    nodes no FlashInfer allreduce (a fall-back)."""
+    version = "0.34.0"
+    text = vllm_settings(version, 2, True)
+    one_node = text + vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                                logged("vllm", version, VLLM_FI, "Using flashinfer allreduce backend trtllm: the mnnvl"))
+    for rank in (0, 1):
+        one_node += vllm_line(version, f"Worker_TP{rank}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm"))
+    code, doc = check(tmp_path, one_node + vllm_ready(version))
+    assert code == 0 and doc["verdict"] == "fused" and any("HiSparse" in n for n in doc["notes"]), doc
+    nodes = text + vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                             logged("vllm", version, VLLM_FI, "FlashInfer allreduce is disabled: the mnnvl"), "WARNING")
+    code, doc = check(tmp_path, nodes + vllm_ready(version))
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "workspace" and "vllm#64327" in doc["fix"], doc
 
 
 def test_vllm_019_without_multicast_falls_back_and_029_notes_it(tmp_path):

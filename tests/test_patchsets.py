@@ -231,6 +231,9 @@ def test_the_registry_knows_each_shipped_distribution_from_data():
     (('by = "auto-enable"', 'by = "auto-enabel"'), "fusion_chain.auto_enable #2 names no patch of sglang: auto-enabel"),
     (('limits = "for gpt-oss', 'limit = "for gpt-oss'), "fusion_chain.auto_enable #1: needs versions, by"),
     (('[fusion_chain]\n', '[fusion_chain]\nspeed = "fast"\n'), "fusion_chain: unknown key(s) speed"),
+    (('build = ["jit-gate"]', 'build = ["jit-gates"]'),
+     "fusion_chain.kernel_path #1 names no patch of flashinfer-python: jit-gates"),
+    (('launch_without = "', 'launch_with = "'), "fusion_chain.kernel_path #1: a path with launch patches says"),
 ])
 def test_the_fusion_chain_data_is_checked_on_load(tmp_path, edit, message):
     """A [fusion_chain] row that names a patch the distribution does not have, misses a field or

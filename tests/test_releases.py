@@ -62,7 +62,7 @@ def data_tree(data: Path) -> dict[str, bytes]:
 # first release cannot be removed: its file is named after it, and the registry refuses that.)
 @pytest.mark.wheels
 @pytest.mark.parametrize("distribution, version", [
-    ("flashinfer-python", "0.6.16.post4"), ("sglang", "0.5.23"), ("vllm", "0.33.0"),
+    ("flashinfer-python", "0.6.16.post4"), ("sglang", "0.5.23"), ("vllm", "0.34.0"),
     ("sglang", "0.5.16"),
 ])
 def test_adding_a_removed_release_back_gives_the_shipped_pin_and_manifest_byte_for_byte(data, distribution, version):

@@ -120,7 +120,7 @@ def test_list_shows_vllm_ranges_and_what_needs_nothing():
     assert result.exit_code == 0
     lines = result.output.split("vllm (--vllm)")[1].splitlines()
     assert any(line.split()[:3] == ["0.19.0", "to", "0.28.0"] and "fusion-table" in line for line in lines)
-    assert any("0.29.0 to 0.33.0" in line and "opt-in: fusion-table, auto-enable" in line for line in lines)
+    assert any("0.29.0 to 0.34.0" in line and "opt-in: fusion-table, auto-enable" in line for line in lines)
     assert any("from 0.10.0, before 0.11.1" in line and "nothing to patch" in line for line in lines)
 
 
@@ -185,3 +185,52 @@ def test_the_auto_enable_check_reads_enable_allreduce_rms_fusion(condition, pres
     source = f"def enable_allreduce_rms_fusion(cfg):\n    return cfg.tp > 1 and ({condition})\n"
     assert evaluate("vllm-auto-enable", source.encode())[0] is present
     assert evaluate("vllm-auto-enable", f"def other():\n    return {condition}\n".encode())[0] is False
+
+
+@pytest.mark.wheels  # fetches a real vLLM wheel itself (no wheel fixture marks it)
+def test_0_34_added_through_manifest_add_is_covered_by_status_apply_and_revert(tmp_path):
+    """vLLM 0.34.0 (2026-11-16): its fusion file is 0.33.0's byte for byte, vllm/config/vllm.py
+    changed; `manifest add vllm 0.34.0` pinned it to the 0.29.0 set."""
+    env = vllm_env(tmp_path, "0.34.0")
+    session = Session(env)
+    before = snapshot(env)
+    status = session("status")
+    assert status.exit_code == ExitCode.OK, status.output
+    assert "vllm 0.34.0: nothing required (opt-in patches only)" in status.output
+    assert "vllm 0.34.0 pins flashinfer-python==0.7.3" not in status.output  # no FlashInfer installed here
+    applied = session("apply", "--vllm", "--with", "fusion-table,auto-enable")
+    assert applied.exit_code == 0 and "vllm 0.34.0: patched 2 files" in applied.output, applied.output
+    assert sorted(p for p in changed(before, snapshot(env)) if "/.sm120patch" not in p) == sorted(
+        str(env.file(f)) for f in (TABLES, "vllm/config/vllm.py"))
+    document = json.loads(session("status", "--json").output)
+    vllm = next(d for d in document["distributions"] if d["name"] == "vllm")
+    assert {p["id"]: p["state"] for p in vllm["patches"]} == {"fusion-table": "applied", "auto-enable": "applied"}
+    verified = session("verify")
+    assert verified.exit_code == 0 and "FI_ALLREDUCE_FUSION_MAX_SIZE_MB keys: [90, 120, 100, 103, 107]" in verified.output
+    assert session("revert").exit_code == 0
+    assert changed(before, snapshot(env)) == []
+
+
+@pytest.mark.wheels  # fetches a real vLLM wheel itself (no wheel fixture marks it)
+def test_a_hand_fixed_jit_gate_is_what_the_fusion_pass_needs_of_flashinfers_kernel_patches(tmp_path, flashinfer_wheel):
+    """vLLM 0.19 calls allreduce_fusion (backend trtllm), the fused kernel of
+    trtllm_allreduce_fusion.cuh: with FlashInfer's JIT gate opened by hand that kernel builds
+    and runs on SM120, so the kernel-gates step is open and says what the rest would complete;
+    on a GPU without multicast this pair still needs unicast-workspace, which the workspace step
+    says."""
+    import subprocess
+
+    env = vllm_env(tmp_path, "0.19.0", flashinfer_wheel)
+    session = Session(env)
+    subprocess.run(["sed", "-i", r"s/supported_major_versions=\[9, 10\]/supported_major_versions=[9, 10, 12]/",
+                    str(env.file("flashinfer/jit/comm.py"))], check=True)
+    assert session("apply", "--vllm").exit_code == 0
+    fusion = next(d for d in json.loads(session("status", "--json").output)["distributions"]
+                  if d["name"] == "vllm")["fusion"]
+    steps = {s["id"]: s for s in fusion["steps"]}
+    assert steps["kernel-gates"]["result"] == "ok", steps["kernel-gates"]
+    assert steps["kernel-gates"]["text"] == (f"flashinfer-python {FLASHINFER_VERSION}'s SM120 gates are open for vllm "
+                                             "0.19.0's fused call (trtllm_allreduce_fusion.cuh's fused kernel): jit-gate applied")
+    assert "they complete upstream's fix of kernels vllm does not call" in steps["kernel-gates"]["note"]
+    assert steps["workspace"]["result"] == "blocks" and "unicast-workspace" in steps["workspace"]["text"]
+    assert fusion["verdict"] == "will not fuse" and "unicast-workspace" in fusion["headline"]

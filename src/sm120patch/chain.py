@@ -9,7 +9,10 @@ The steps, in the order a start-up meets them (their ids are also the ``step`` o
                   status does not, so the step is ``unknown`` there and says what it depends on)
 ``kernel-gates``  the kernel library's gates (JIT gate, ``__CUDA_ARCH__`` bounds, lamport
                   stride, cluster clamp): the required patches of its pinned set that no
-                  ``[[fusion_path]]`` names, or nothing once it is fixed upstream
+                  ``[[fusion_path]]`` names, or nothing once it is fixed upstream; where the
+                  server's ``[[fusion_chain.kernel_path]]`` says what its fused call needs, only
+                  those (to build, to run) block, and a missing launch patch or one of kernels
+                  the server never calls is a note (a hand fix of the JIT gate fuses)
 ``server-gates``  the server's own gates: its set's required patches that no fusion path names
                   (and, where ``[[fusion_chain.server_gate]]`` says so, an opt-in patch that an
                   option of the server can stand in for)
@@ -37,7 +40,7 @@ from sm120patch.tunedlimits import PATCH_ID as TUNED
 
 if TYPE_CHECKING:
     from sm120patch.assess import Assessment
-    from sm120patch.distributions import Distribution
+    from sm120patch.distributions import Distribution, KernelPath
     from sm120patch.driver import DriverFacts
     from sm120patch.environment import InstalledDistribution
     from sm120patch.jitcache import AotShadow, JitStatus
@@ -126,8 +129,9 @@ class Chain(NamedTuple):
         sentence = f"{self.server} will fuse {where}{when}"
         if not conditions:
             sentence += f" without a flag: {self.step('requested').text}"
-        jit = self.step("jit")
-        return sentence + (f"; {jit.note}" if jit.note else "")
+        kernel, jit = self.step("kernel-gates"), self.step("jit")
+        # A hand fix that builds and runs the fused kernel: it fuses, and what is missing is said.
+        return sentence + "".join(f"; {s.note}" for s in (kernel, jit) if s.note)
 
 
 def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
@@ -142,12 +146,15 @@ def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
     if not chains:
         return ()
     item = chains[0]
-    jit = item.step("jit")
+    kernel, jit = item.step("kernel-gates"), item.step("jit")
+    # A hand fix that fuses as it is: completing it comes first, before the first build.
+    complete = ((f"`{kernel.fix}` (completes the partial patch: the kernel-gates step says what is missing)",)
+                if kernel.note and kernel.fix else ())
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
     # Measuring comes before the restart: the release's own limits were tuned for NVLink.
     tune = item.step("tp").note
-    return ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
+    return complete + ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
         (tune,) if tune else ()) + (start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
 
 
@@ -168,7 +175,7 @@ def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDis
     name = f"{distribution.name} {server.raw_version}"
     steps = [
         _device(device, commands),
-        _kernel_gates(distribution.fusion_with or "", other, kernels, workspace_ids, commands),
+        _kernel_gates(server, other, kernels, workspace_ids, commands),
         _server_gates(server, workspace_ids, commands),
         _requested(server),
         workspace_step(fusion, device, commands),
@@ -176,12 +183,12 @@ def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDis
         _tp(distribution, server, commands, profile),
     ]
     upstream = ""
-    if device is not None and device.devices:
-        majors = {d.capability[0] for d in device.devices}
+    if device is not None and device.capabilities:
+        majors = {major for major, _ in device.capabilities}
         if majors <= set(UPSTREAM_MAJORS):
             upstream = "SM" + "/SM".join(f"{m}0" for m in sorted(majors))
             # Upstream fuses here: neither library's SM120 gates stand in the way.
-            steps = [s._replace(result=StepResult.OK, fix="", text=f"not needed on {upstream}: upstream supports it")
+            steps = [s._replace(result=StepResult.OK, fix="", note="", text=f"not needed on {upstream}: upstream supports it")
                      if s.id in ("kernel-gates", "server-gates") else s for s in steps]
     return Chain(name, tuple(steps), fusion, upstream)
 
@@ -193,14 +200,20 @@ def _device(device: DriverFacts | None, commands: Commands) -> Step:
         return Step("device", StepResult.UNKNOWN, "not read by status: on SM90/SM100 upstream fuses without any patch, "
                     "and the workspace path below is the one for a GPU without multicast (PCIe, what SM120 boxes are)",
                     fix=commands.doctor)
-    if not device.devices:
+    capabilities = device.capabilities
+    if not capabilities:
         return Step("device", StepResult.UNKNOWN, f"the driver was not read ({device.error})")
-    sms = sorted({d.sm for d in device.devices})
-    text = f"{len(device.devices)} GPU{'s' if len(device.devices) != 1 else ''}, compute capability {', '.join(sms)}"
-    text += "; multicast" if device.multicast else "; no multicast"
-    majors = {d.capability[0] for d in device.devices}
+    sms = sorted({f"{major}.{minor}" for major, minor in capabilities})
+    text = f"{len(capabilities)} GPU{'s' if len(capabilities) != 1 else ''}, compute capability {', '.join(sms)}"
+    if device.devices:
+        text += "; multicast" if device.multicast else "; no multicast"
+    else:
+        text += f" (nvidia-smi; the driver answered nothing: {device.error}, so multicast and peer access are not known)"
+    majors = {major for major, _ in capabilities}
     if not majors <= {SM120_MAJOR, *UPSTREAM_MAJORS}:
         return Step("device", StepResult.BLOCKS, text + ": FlashInfer's fused allreduce runs on SM90, SM100 and (patched) SM120 only")
+    if not device.devices:
+        return Step("device", StepResult.UNKNOWN, text)
     if device.peers_ok is False:
         missing = sorted(f"GPU{i}->GPU{j}" for (i, j), ok in device.peer_access.items() if not ok)
         return Step("device", StepResult.BLOCKS, text + f"; no peer access {', '.join(missing)}: every fusion workspace "
@@ -212,15 +225,63 @@ def _gate_text(a: Assessment, missing: list[str]) -> str:
     return f"{a.name} {a.raw_version}'s SM120 gates are closed ({a.verdict.value}: {', '.join(missing)} not applied)"
 
 
-def _kernel_gates(name: str, other: InstalledDistribution | None, kernels: Assessment | None,
+def _kernel_gates(server: Assessment, other: InstalledDistribution | None, kernels: Assessment | None,
                   workspace_ids: set[tuple[str, str]], commands: Commands) -> Step:
+    name = server.distribution.fusion_with or ""
     if other is None:
         return Step("kernel-gates", StepResult.BLOCKS, f"{name} is not installed in this environment (the server "
                     "imports it for fusion; install the release the server pins)")
     if kernels is None:
         return Step("kernel-gates", StepResult.UNKNOWN, f"{name} {other.raw_version} was not assessed in this run "
                     "(a selector left it out)", fix=commands.status)
-    return _gates("kernel-gates", kernels, workspace_ids, commands)
+    path = next((row for row in server.distribution.kernel_paths
+                 if row.matches(server.tree.version, kernels.tree.version)), None)
+    if path is None or kernels.nothing_needed or kernels.patch_set is None:
+        return _gates("kernel-gates", kernels, workspace_ids, commands)
+    return _kernel_path(server, kernels, path, workspace_ids, commands)
+
+
+def _kernel_path(server: Assessment, kernels: Assessment, path: KernelPath, workspace_ids: set[tuple[str, str]],
+                 commands: Commands) -> Step:
+    """The kernel library's required patches sorted by what the server's fused call needs them
+    for (``[[fusion_chain.kernel_path]]``): to build and to run it blocks without them; without
+    a launch patch, or one that completes upstream's fix of kernels the server does not call,
+    it fuses, and the step says what is missing and what that means (a hand fix of the JIT
+    gate alone, the field report's, is that case)."""
+    a = kernels
+    owned = {patch_id for owner, patch_id in workspace_ids if owner == a.name}
+    gates = [p for p in a.patch_set.patches if p.required and p.id not in owned]
+    states = {p.id: a.patch_state(p).value for p in gates}
+    needed = [i for i in states if i in path.build or i in path.run]
+    odd = [f"{i} {states[i]}" for i in needed if states[i] in ("drifted", "missing")]
+    if odd:
+        return Step("kernel-gates", StepResult.UNKNOWN, f"{a.name} {a.raw_version}'s files are not the release's bytes "
+                    f"nor the patch's ({', '.join(odd)}): sm120patch cannot say what they do", fix=commands.diff)
+    who = f"{server.name} {server.raw_version}"
+    build = [i for i in needed if i in path.build and states[i] != "applied"]
+    run = [i for i in needed if i in path.run and states[i] != "applied"]
+    if build or run:
+        why = []
+        if build:
+            why.append(f"without {', '.join(build)} its JIT module does not build for SM120")
+        if run:
+            why.append(f"without {', '.join(run)} {path.calls} does not run there")
+        return Step("kernel-gates", StepResult.BLOCKS, f"{_gate_text(a, build + run)}: {who} calls {path.calls}, and "
+                    + "; ".join(why), fix=commands.apply)
+    launch = [i for i in states if i in path.launch and states[i] != "applied"]
+    rest = [i for i in states if i not in needed and i not in path.launch and states[i] != "applied"]
+    text = (f"{a.name} {a.raw_version}'s SM120 gates are open for {who}'s fused call ({path.calls}): "
+            + (", ".join(needed) + " applied" if needed else "nothing to open"))
+    if not launch and not rest:
+        return Step("kernel-gates", StepResult.OK, f"{a.name} {a.raw_version}'s SM120 gates are open ({', '.join(states)} applied)")
+    missing = []
+    if launch:
+        missing.append(f"{', '.join(launch)} not applied: {path.launch_without}")
+    if rest:
+        missing.append(f"{', '.join(rest)} not applied: {'they complete' if len(rest) > 1 else 'it completes'} upstream's "
+                       f"fix of kernels {server.name} does not call (the plain custom allreduce, the MoE fusion)")
+    return Step("kernel-gates", StepResult.OK, text, fix=commands.apply,
+                note=f"{a.name} {a.raw_version} is {a.verdict.value}: " + "; ".join(missing) + " — `apply` completes it")
 
 
 def _server_gates(server: Assessment, workspace_ids: set[tuple[str, str]], commands: Commands) -> Step:

@@ -132,6 +132,28 @@ class ServerGate(NamedTuple):
     instead: str
 
 
+class KernelPath(NamedTuple):
+    """What the server's fused call needs of its kernel library's SM120 patches, for the
+    releases ``versions`` with a release of ``fusion_with`` in ``with_`` (read from the code):
+    ``build`` (without them the JIT module does not build for SM120), ``run`` (without them the
+    kernel the server calls is wrong or empty there), ``launch`` (the kernel runs without them,
+    launched as released). Every other required patch of the library's set completes upstream's
+    fix of kernels this server does not call (``calls`` says which it does)."""
+
+    versions: SpecifierSet
+    with_: SpecifierSet
+    calls: str
+    build: tuple[str, ...] = ()
+    run: tuple[str, ...] = ()
+    launch: tuple[str, ...] = ()
+    launch_without: str = ""  # what a launch without ``launch`` does, in words
+
+    def matches(self, version: Version | None, with_version: Version | None) -> bool:
+        return (version is not None and with_version is not None
+                and self.versions.contains(version, prereleases=True)
+                and self.with_.contains(with_version, prereleases=True))
+
+
 class CheckoutLayout(NamedTuple):
     """How a git checkout of the project maps the wheel's paths (RECORD paths) to its own."""
 
@@ -255,6 +277,7 @@ class Distribution(NamedTuple):
     # [fusion_chain]: what chain.py needs beyond the patch sets and the rows above.
     auto_enables: tuple[AutoEnable, ...] = ()
     server_gates: tuple[ServerGate, ...] = ()
+    kernel_paths: tuple[KernelPath, ...] = ()
     tp_advice: str = ""  # may name {bench}: the bench command for the same target
     tp_untuned: str = ""  # what the release's own limits do on SM120 over PCIe (the tp step without a profile)
     checkout: CheckoutLayout | None = None
@@ -464,8 +487,8 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         paths.append(FusionPath(specifier(raw["versions"], fwhere), specifier(raw["with"], fwhere), raw["workspace"],
                                 raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
-    auto_enables, server_gates, tp_advice, tp_untuned = _fusion_chain(doc, where)
-    if (auto_enables or server_gates or tp_advice) and not paths:
+    auto_enables, server_gates, kernel_paths, tp_advice, tp_untuned = _fusion_chain(doc, where)
+    if (auto_enables or server_gates or kernel_paths or tp_advice) and not paths:
         raise PatchDataError(f"{where}: fusion_chain is for a server (a distribution with fusion_path rows)")
     if paths and not fusion_with:
         raise PatchDataError(f"{where}: fusion_path rows need fusion_with (the distribution whose release they also depend on)")
@@ -499,17 +522,18 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
         not_covered=tuple(not_covered), fusion_flags=tuple(flags),
         fusion_paths=tuple(paths), fusion_with=fusion_with, auto_enables=auto_enables, server_gates=server_gates,
-        tp_advice=tp_advice, tp_untuned=tp_untuned, checkout=checkout, verify=verify,
+        kernel_paths=kernel_paths, tp_advice=tp_advice, tp_untuned=tp_untuned, checkout=checkout, verify=verify,
         directory=directory,
     )
 
 
-def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[ServerGate, ...], str, str]:
+def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[ServerGate, ...],
+                                                  tuple[KernelPath, ...], str, str]:
     raw = doc.get("fusion_chain", {})
     cwhere = f"{where}: fusion_chain"
     if not isinstance(raw, dict):
         raise PatchDataError(f"{cwhere} is a table")
-    unknown = set(raw) - {"auto_enable", "server_gate", "tp", "untuned"}
+    unknown = set(raw) - {"auto_enable", "server_gate", "kernel_path", "tp", "untuned"}
     if unknown:
         raise PatchDataError(f"{cwhere}: unknown key(s) {', '.join(sorted(unknown))}")
     autos = []
@@ -524,10 +548,21 @@ def _fusion_chain(doc: dict, where: str) -> tuple[tuple[AutoEnable, ...], tuple[
         if not all(isinstance(row.get(key), str) and row[key] for key in ("versions", "patch", "instead")):
             raise PatchDataError(f"{gwhere}: needs versions, patch and instead")
         gates.append(ServerGate(specifier(row["versions"], gwhere), row["patch"], row["instead"]))
+    kernels = []
+    for index, row in enumerate(raw.get("kernel_path", [])):
+        kwhere = f"{cwhere}.kernel_path #{index + 1}"
+        if not all(isinstance(row.get(key), str) and row[key] for key in ("versions", "with", "calls")):
+            raise PatchDataError(f"{kwhere}: needs versions, with and calls")
+        launch = _str_list(row, "launch", kwhere)
+        if launch and not isinstance(row.get("launch_without"), str):
+            raise PatchDataError(f"{kwhere}: a path with launch patches says what a launch without them does (launch_without)")
+        kernels.append(KernelPath(specifier(row["versions"], kwhere), specifier(row["with"], kwhere), row["calls"],
+                                  _str_list(row, "build", kwhere), _str_list(row, "run", kwhere), launch,
+                                  row.get("launch_without", "")))
     tp, untuned = raw.get("tp", ""), raw.get("untuned", "")
     if not isinstance(tp, str) or not isinstance(untuned, str):
         raise PatchDataError(f"{cwhere}: tp and untuned are sentences")
-    return tuple(autos), tuple(gates), tp, untuned
+    return tuple(autos), tuple(gates), tuple(kernels), tp, untuned
 
 
 def selectors(directory: Path | None = None) -> list[tuple[str, str]]:
@@ -567,6 +602,11 @@ def load_registry(directory: Path | None = None, *, full: bool = True) -> Regist
                 if patch_id not in own:
                     raise PatchDataError(f"{d.name}/distribution.toml: fusion_chain.{label} names no patch of {d.name}: "
                                          f"{patch_id}")
+            for index, row in enumerate(d.kernel_paths):
+                unknown = [i for i in row.build + row.run + row.launch if i not in ids.get(d.fusion_with or "", ())]
+                if unknown:
+                    raise PatchDataError(f"{d.name}/distribution.toml: fusion_chain.kernel_path #{index + 1} names no patch "
+                                         f"of {d.fusion_with}: {', '.join(unknown)}")
             for index, row in enumerate(d.fusion_paths):
                 unknown = [f"{owner}:{patch_id}" for owner, patch_id in row.needs if patch_id not in ids.get(owner, ())]
                 if unknown:

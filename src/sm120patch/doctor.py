@@ -46,8 +46,14 @@ class Gpu:
 
     @property
     def major(self) -> int | None:
+        return self.capability[0] if self.capability else None
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """``(9, 0)`` from "9.0"; None for what nvidia-smi prints when it cannot say ("[N/A]")."""
+        major, _, minor = self.compute_cap.partition(".")
         try:
-            return int(self.compute_cap.split(".")[0])
+            return int(major), int(minor or 0)
         except ValueError:
             return None
 
@@ -166,7 +172,12 @@ def examine_machine(report: DoctorReport) -> None:
                 report.add("warn", PCIE_WARNING)
             else:
                 report.add("ok", f"NVLink between {counted(len(topo.nvlink_pairs) // 2, 'GPU pair')}")
-    examine_driver(report, driver.query())
+    facts = driver.query()
+    if not facts.devices:
+        # A driver library sm120patch cannot use (none, too old, in a container without it):
+        # what nvidia-smi reported still says which GPUs these are.
+        facts = facts._replace(smi_capabilities=tuple(g.capability for g in report.gpus if g.capability))
+    examine_driver(report, facts)
     nvcc = _run(["nvcc", "--version"])
     version = parse_nvcc_version(nvcc) if nvcc else None
     if version is None:

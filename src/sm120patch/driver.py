@@ -46,6 +46,13 @@ class DriverFacts(NamedTuple):
     peer_access: Mapping[tuple[int, int], bool] = MappingProxyType({})  # every ordered pair i != j
     version: int | None = None  # cuDriverGetVersion: 13000 for CUDA 13.0
     error: str | None = None
+    # Where the driver answered nothing: the compute capabilities nvidia-smi reported (doctor
+    # fills it in), so that the chain still knows which GPUs it is about.
+    smi_capabilities: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def capabilities(self) -> tuple[tuple[int, int], ...]:
+        return tuple(d.capability for d in self.devices) or self.smi_capabilities
 
     @property
     def multicast(self) -> bool | None:

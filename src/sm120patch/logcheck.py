@@ -73,8 +73,9 @@ class Quiet(NamedTuple):
     rank logged the workspace."""
 
     versions: SpecifierSet
-    step: str
-    fix: str
+    step: str | None
+    fix: str | None
+    fused: str | None = None  # a release that logs no workspace line at INFO: why silence means fused
 
 
 class KernelNote(NamedTuple):
@@ -151,6 +152,9 @@ def parse_logs(path: Path, server: str) -> LogData:
     quiet = []
     for index, raw in enumerate(doc.get("quiet", [])):
         qwhere = f"{where}: quiet #{index + 1}"
+        if raw.get("verdict") == FUSED and isinstance(raw.get("text"), str):
+            quiet.append(Quiet(specifier(raw.get("versions"), qwhere), None, None, raw["text"]))
+            continue
         if raw.get("step") not in STEPS or not isinstance(raw.get("fix"), str):
             raise PatchDataError(f"{qwhere}: needs versions, step (one of {', '.join(STEPS)}) and fix")
         quiet.append(Quiet(specifier(raw.get("versions"), qwhere), raw["step"], raw["fix"]))
@@ -511,6 +515,9 @@ class Analysis:
                                           ranks=per_rank, expected_ranks=expected, notes=notes)
                 quiet = next((q for q in logs.quiet if self.version is None
                               or q.versions.contains(self.version, prereleases=True)), None)
+                if quiet is not None and quiet.fused and self.version is not None:
+                    return LogCheckReport(**base, verdict=FUSED, final=True, ranks=per_rank, expected_ranks=expected,
+                                          summary=f"fused, by what the log leaves out: {quiet.fused}", notes=notes)
                 return LogCheckReport(**base, verdict=FELL_BACK, final=True, step=quiet.step if quiet else None,
                                       fix=quiet.fix if quiet else None, ranks=per_rank, expected_ranks=expected,
                                       summary="fell back: fusion was asked for, the server is ready, and no rank "
