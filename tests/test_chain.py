@@ -168,7 +168,7 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
                     "      4. check-log on its log says whether it fused (`sm120patch check-log --help`)"]
     assert all(len(line) <= 100 for line in last[2:]), last  # the prose; a command is never wrapped
     assert run_cli("check-log", "--help").exit_code == 0
-    assert sm120patch("status").output.splitlines()[-3:] == last
+    assert sm120patch("status").output.splitlines()[-4:] == last
     assert json.loads(sm120patch("status", "--json").output)["next"] == [line[9:] for line in last]
 
 

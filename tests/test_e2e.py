@@ -88,6 +88,8 @@ def test_apply_status_revert_round_trip_restores_every_record_hash(sm120patch, s
         ("sglang", "fusion-gate"): "applied",
         ("sglang", "auto-enable"): "pristine",
         ("sglang", "symm-mem"): "pristine",
+        ("sglang", "tuned-limits"): "pristine",
+        ("sglang", "tuned-oneshot"): "pristine",
     }
 
     reverted = sm120patch("revert")

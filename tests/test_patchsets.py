@@ -51,8 +51,10 @@ def test_shipped_patch_sets_pin_the_core_releases():
     clamps = [flashinfer.patch(i) for i in ("cluster-clamp", "cluster-clamp-moe", "cluster-clamp-custom")]
     assert len({p.file for p in clamps}) == 3 and all(p.check == "cluster-clamp" for p in clamps)
     assert [(p.id, p.required) for p in sglang.patches] == [
-        ("fusion-gate", True), ("auto-enable", False), ("symm-mem", False)
+        ("fusion-gate", True), ("auto-enable", False), ("symm-mem", False), ("tuned-limits", False),
+        ("tuned-oneshot", False),
     ]
+    assert sglang.patch("tuned-limits").requires == ("tuned-oneshot",)
 
 
 def test_pins_are_exact():
@@ -66,7 +68,7 @@ def test_select_takes_required_and_named_opt_in_patches():
     sglang = load_registry().get("sglang").find(Version("0.5.9"))
     assert [p.id for p in sglang.select()] == ["fusion-gate"]
     assert [p.id for p in sglang.select(["symm-mem"])] == ["fusion-gate", "symm-mem"]
-    with pytest.raises(UsageError, match="opt-in patches here: auto-enable, symm-mem"):
+    with pytest.raises(UsageError, match="opt-in patches here: auto-enable, symm-mem, tuned-limits, tuned-oneshot"):
         sglang.select(["nope"])
     # A required patch is always applied: naming it with --with is a mistake, said as one.
     with pytest.raises(UsageError, match="fusion-gate: required, so always applied"):

@@ -53,7 +53,8 @@ def test_status_says_the_pass_stays_off_until_fusion_table_and_how_to_turn_it_on
     assert vllm["state"] == "patched"
     texts = [a["text"] for a in vllm["advice"]]
     assert any(SIZES_ITSELF in t for t in texts) and not any(STAYS_OFF in t for t in texts)
-    assert {p["id"]: p["state"] for p in vllm["patches"]} == {"fusion-table": "applied", "auto-enable": "pristine"}
+    assert {p["id"]: p["state"] for p in vllm["patches"]} == {"fusion-table": "applied", "auto-enable": "pristine",
+                                                                 "tuned-limits": "pristine"}
 
     doctor = session("doctor")
     assert f"vllm 0.19.0 {SIZES_ITSELF}" in doctor.output
@@ -204,7 +205,8 @@ def test_0_34_added_through_manifest_add_is_covered_by_status_apply_and_revert(t
         str(env.file(f)) for f in (TABLES, "vllm/config/vllm.py"))
     document = json.loads(session("status", "--json").output)
     vllm = next(d for d in document["distributions"] if d["name"] == "vllm")
-    assert {p["id"]: p["state"] for p in vllm["patches"]} == {"fusion-table": "applied", "auto-enable": "applied"}
+    assert {p["id"]: p["state"] for p in vllm["patches"]} == {"fusion-table": "applied", "auto-enable": "applied",
+                                                                 "tuned-limits": "pristine"}
     verified = session("verify")
     assert verified.exit_code == 0 and "FI_ALLREDUCE_FUSION_MAX_SIZE_MB keys: [90, 120, 100, 103, 107]" in verified.output
     assert session("revert").exit_code == 0

@@ -408,7 +408,7 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
         return Step("tp", StepResult.OK, f"untuned: a profile holds for this box ({'; '.join(e.words() for e in profile.entries)}), "
                     f"but {server.name} {server.raw_version} reads it only with tuned-limits applied ({untuned})",
                     note=f"`{commands.apply_tuned}` (the server then keeps to the profile)" if commands.apply_tuned else "")
-    text = f"untuned: {untuned}" if offered else (untuned or "no TP limit known")
+    text = f"untuned: {untuned}" if offered else (distribution.tp_advice or "no TP limit known")
     note = ""
     if offered and commands.tune:
         note = (f"`{commands.tune}` (measures where fusion wins on these GPUs; `apply --with tuned-limits` then keeps "
