@@ -24,27 +24,41 @@ from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
 from sm120patch.wheels import fetch_wheel
 
-TESTS = Path(__file__).parent
 FUSED_FILE = "sglang/srt/layers/flashinfer_comm_fusion.py"
 BATCHES = [1, 2, 3, 4, 8, 16, 17, 32, 63, 64, 65, 128, 512, 1024, 2047, 2048, 2049, 4096]
 HIDDEN = 4096
 
-# Loads the patch-inserted code and the predicate from a server file, as written, into a module of
-# its own, and prints, for each batch, the predicate's answer and the one-shot choice the fused call
-# would be handed for it.
-PREDICATE_SCRIPT = r"""
-import ast, json, logging, sys, types
+# What every script here starts with: the serving interpreter's torch answering as an SM120 GPU, and
+# what the code logs collected.
+SERVER_PROCESS = r"""
+import ast, json, logging, sys, tempfile, types
 import torch
-torch.cuda.get_device_capability = lambda device=None: (12, 0)  # an SM120 GPU, as the predicate's process sees it
-
-path, predicate, tp, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-batches = json.loads(sys.argv[5])
+torch.cuda.get_device_capability = lambda device=None: (12, 0)  # an SM120 GPU, as the server's process sees it
 logged = []
 class Handler(logging.Handler):
     def emit(self, record):
         logged.append(record.getMessage())
 logging.getLogger().addHandler(Handler())
 logging.getLogger().setLevel(logging.INFO)
+"""
+
+
+def run_script(env, script: str, profile: Path, *args: str) -> dict:
+    """``script`` in the serving interpreter, with the profile at ``profile``; its last JSON line."""
+    environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home), "SM120PATCH_TUNED_LIMITS": str(profile)}
+    proc = subprocess.run([str(env.python), "-c", SERVER_PROCESS + script, *args], capture_output=True, text=True,
+                          timeout=300, env=environ)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1])
+
+
+# Loads the patch-inserted code and the predicate from a server file, as written, into a module of
+# its own, and prints, for each batch, the predicate's answer and the one-shot choice the fused call
+# would be handed for it.
+PREDICATE_SCRIPT = r"""
+path, predicate, tp, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+batches = json.loads(sys.argv[5])
 FLAGS = ("_is_cuda", "_is_flashinfer_available", "_is_sm90_supported", "_is_sm100_supported", "_is_sm120_supported",
          "FUSE_ALLREDUCE_MAX_BATCH_SIZE")
 def wanted(node):
@@ -94,12 +108,7 @@ def predicate_file(files: dict[str, bytes]) -> tuple[str, bytes]:
 
 
 def decisions(env, path: Path, predicate: str, tp: int, profile: Path) -> dict:
-    environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home), "SM120PATCH_TUNED_LIMITS": str(profile)}
-    proc = subprocess.run([str(env.python), "-c", PREDICATE_SCRIPT, str(path), predicate, str(tp),
-                           str(HIDDEN), json.dumps(BATCHES)], capture_output=True, text=True, timeout=300, env=environ)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    result = json.loads(lines[-1])
+    result = run_script(env, PREDICATE_SCRIPT, profile, str(path), predicate, str(tp), str(HIDDEN), json.dumps(BATCHES))
     result["fuses"] = {int(k): v for k, v in result["fuses"].items()}
     result["oneshot"] = {int(k): v for k, v in result["oneshot"].items()}
     return result
@@ -214,18 +223,9 @@ def test_sglang_059_applied_follows_the_profile_and_reverts_to_the_release(runti
 # under its own name, and FlashInfer's comm package answered by a recorder of what the kernel is
 # handed: the call runs on the CPU and says which one-shot choice reached the kernel.
 FUSED_SCRIPT = r"""
-import ast, json, logging, sys, tempfile, types
 from typing import Optional, Tuple
-import torch
 import torch.distributed as dist
-torch.cuda.get_device_capability = lambda device=None: (12, 0)
 fused_path, predicate_path, tp, batches = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-logged = []
-class Handler(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logging.getLogger().addHandler(Handler())
-logging.getLogger().setLevel(logging.INFO)
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 
 def load(path, name, keep, names):
@@ -273,13 +273,8 @@ print(json.dumps({"kernel": kernel, "log": [line for line in logged if "sm120pat
 
 
 def fused_calls(env, profile: Path, tp: int) -> dict:
-    environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home), "SM120PATCH_TUNED_LIMITS": str(profile)}
-    proc = subprocess.run([str(env.python), "-c", FUSED_SCRIPT, str(env.file(FUSED_FILE)), str(env.file(COMMUNICATOR)),
-                           str(tp), json.dumps([b for b in BATCHES if b <= 2048])],
-                          capture_output=True, text=True, timeout=300, env=environ)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    return json.loads(lines[-1])
+    return run_script(env, FUSED_SCRIPT, profile, str(env.file(FUSED_FILE)), str(env.file(COMMUNICATOR)), str(tp),
+                      json.dumps([b for b in BATCHES if b <= 2048]))
 
 
 VLLM_SCRIPT = r"""
