@@ -220,6 +220,14 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
     files = sorted(f for o in orphaned for f in o["files"])
     assert files == sorted(str(p) for p in serving_env.state_root.rglob("*") if p.is_file())
     before = snapshot(serving_env)
+    if command == "revert":  # the dry run says what the run will remove, and removes nothing
+        dry = sm120patch("revert", "--dry-run", "--json")
+        assert dry.exit_code == 0, dry.output
+        document = json.loads(dry.output)
+        assert document["would_change"] is True, dry.output
+        assert sorted(f for o in document["orphans_removed"] for f in o["files"]) == files
+        assert "would remove sm120patch's state of" in sm120patch("revert", "--dry-run").output
+        assert snapshot(serving_env) == before
     cleaned = sm120patch(*command.split())
     assert cleaned.exit_code == 0, cleaned.output
     for name in names:

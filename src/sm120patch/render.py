@@ -307,7 +307,7 @@ def render_change(report: ChangeReport) -> str:
     for path in report.leftovers_removed:
         lines.append(f"removed {path}, left by an earlier run that was killed")
     for orphan in report.orphans_removed:
-        lines.append(f"removed sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
+        lines.append(f"{'would remove' if report.dry_run else 'removed'} sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
                      "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
@@ -397,7 +397,9 @@ def change_json(report: ChangeReport) -> dict:
         "target_chosen_by": report.chosen_by or None,
         "next": list(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
-        "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
+        # Whatever the run would count as a change (Ansible's check mode reports it as changed).
+        "would_change": (any(r.plan and not r.plan.empty for r in report.results) or bool(report.orphans_removed)
+                         or bool(report.jit_removed)) if report.dry_run else None,
         "recovered": None if report.recovery is None else {
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),
             "finished": report.recovery.finished},
