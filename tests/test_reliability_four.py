@@ -246,7 +246,7 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
 
 # -- 6. sm120patch itself upgraded or downgraded under a patched environment -----------------------
 
-def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
+def data_without(tmp_path: Path, relpath: str, patch_id: str | None) -> Path:
     """The data of an sm120patch that does not know ``patch_id`` (of the patch-set file
     ``relpath``): today's, less that patch, as SM120PATCH_DATA_DIR sees it. That is what an older
     sm120patch meets in an environment a newer one patched (the issue's case: main three days
@@ -256,6 +256,8 @@ def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
     data = tmp_path / f"data-without-{patch_id}"
     shutil.copytree(ROOT / "patches", data / "patches")
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    if patch_id is None:  # today's data, to be changed otherwise by the caller
+        return data
     toml = data / "patches" / relpath
     text = toml.read_text()
     start = text.index(f'[[patch]]\nid = "{patch_id}"')
@@ -286,6 +288,62 @@ def test_revert_restores_every_file_the_ledger_lists_whatever_todays_data_knows(
     assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
     assert serving_env.record_mismatches() == []
     assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    assert changed(before, snapshot(serving_env)) == []
+
+
+@pytest.mark.parametrize("known", ["neither the patch nor the file", "the patch, not the file's hashes"])
+def test_revert_restores_a_file_todays_data_does_not_know(sm120patch, serving_env, tmp_path, monkeypatch, known):
+    """Patched with today's data, reverted by an sm120patch that knows neither the patch nor the
+    file (its patch set and its vendor manifest lack flashinfer/comm/mnnvl.py, as before
+    unicast-workspace existed): status names the file, revert restores it from the ledger's
+    original, and every file hashes to its RECORD (before: a KeyError traceback, nothing
+    changed, the files stayed patched)."""
+    import json
+
+    from helpers import MNNVL, changed, snapshot
+
+    before = snapshot(serving_env)
+    assert sm120patch("apply").exit_code == 0
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", "unicast-workspace" if known.startswith("neither")
+                        else None)
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    del document["files"][MNNVL]
+    manifest.write_text(json.dumps(document))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    status = sm120patch("status")
+    assert "Traceback" not in status.output, status.output
+    if known.startswith("neither"):
+        assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
+            in status.output, status.output
+    else:  # the ledger vouches for the bytes it wrote: patched, as the newer sm120patch left it
+        assert status.exit_code == 0 and re.search(r"unicast-workspace +applied", status.output), status.output
+    result = sm120patch("revert")
+    assert result.exit_code == 0, result.output
+    assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
+    assert serving_env.record_mismatches() == []
+    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_a_manifest_without_a_file_its_patch_set_patches_is_refused_in_one_line(sm120patch, serving_env, tmp_path,
+                                                                                monkeypatch):
+    """No ledger vouches for the file and the manifest has no hashes for it: nothing says what
+    its release bytes are, so apply refuses the data (exit 2, one line) and changes nothing."""
+    import json
+
+    from helpers import MNNVL, changed, one_clear_error, snapshot
+
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None)
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    del document["files"][MNNVL]
+    manifest.write_text(json.dumps(document))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    before = snapshot(serving_env)
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.USAGE, result.output
+    one_clear_error(result.output, f"the vendor manifest of flashinfer-python 0.6.4 has no hashes for {MNNVL}")
     assert changed(before, snapshot(serving_env)) == []
 
 

@@ -181,10 +181,30 @@ def _ledger_only(tree: Tree, ledger: Ledger | None, result: Assessment) -> Mappi
     for relpath, entry in ledger.files.items():
         if relpath in result.files:
             continue
-        expected = FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
-                              patched={"+".join(entry.patches): entry.patched})
-        found[relpath] = assess_file(tree, relpath, expected, None, entry)
+        found[relpath] = assess_file(tree, relpath, _ledger_hashes(tree, relpath, entry), None, entry)
     return MappingProxyType(found)
+
+
+def _ledger_hashes(tree: Tree, relpath: str, entry: LedgerFile) -> FileHashes:
+    """A file's hashes as the ledger has them (what sm120patch wrote), the release's from the
+    installed RECORD when it lists the file."""
+    return FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
+                      patched={"+".join(entry.patches): entry.patched})
+
+
+def _expected(tree: Tree, relpath: str, manifest: Manifest, patch_set: PatchSet, ledger: Ledger | None) -> FileHashes:
+    """The hashes a patched file is judged by: the vendor manifest's; for a file it lacks (data
+    of an older sm120patch than the one that patched it, or data edited by hand), the ledger's,
+    so that what sm120patch wrote is still recognised and reverted. Without either, nothing
+    vouches for the file's bytes: the data is refused (never patched unchecked)."""
+    if relpath in manifest.files:
+        return manifest.files[relpath]
+    entry = ledger.files.get(relpath) if ledger else None
+    if entry is not None:
+        return _ledger_hashes(tree, relpath, entry)
+    raise PatchDataError(f"the vendor manifest of {manifest.distribution} {manifest.version} has no hashes for "
+                         f"{relpath}, which the patch set {patch_set.name} patches",
+                         hint="reinstall sm120patch (its data is incomplete), or run `make manifests` in a checkout")
 
 
 def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, force_unknown: bool) -> Assessment:
@@ -221,8 +241,8 @@ def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, fo
         manifest = load_manifest(distribution.name, str(version))
         if manifest is None:
             raise PatchDataError(f"no vendor manifest for {distribution.name} {tree.raw_version}; run `make manifests`")
-    files = {relpath: assess_file(tree, relpath, manifest.files[relpath], result.patch_set,
-                                  ledger.files.get(relpath) if ledger else None)
+    files = {relpath: assess_file(tree, relpath, _expected(tree, relpath, manifest, result.patch_set, ledger),
+                                  result.patch_set, ledger.files.get(relpath) if ledger else None)
              for relpath in result.patch_set.files}
     return result._replace(manifest=manifest, files=files)
 
