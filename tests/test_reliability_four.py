@@ -405,6 +405,50 @@ def test_a_ledger_or_journal_of_a_newer_format_is_refused_naming_the_version_tha
         assert toy.snapshot() == before, command
 
 
+@pytest.mark.parametrize("writer", ["7.1.0", "0.1.0", "0.0.9"])
+def test_a_newer_format_ledger_beside_a_current_one_changes_nothing_and_advises_what_can_be_done(tmp_path, monkeypatch,
+                                                                                               writer):
+    """Two distributions patched in one environment, one ledger then rewritten in a newer format:
+    revert refuses the whole run (exit 3) and nothing changes, the other distribution included,
+    as docs/guarantees.md says (before: it reverted the other one and said "nothing was
+    changed"). The refusal names the version the ledger records; "install X or later" only
+    when X is newer than this sm120patch (before: "install sm120patch 0.1.0 or later", said by
+    0.1.0 itself)."""
+    import json
+
+    from helpers import one_clear_error
+    from sm120patch import __version__
+    from sm120patch.state import InstallState, state_root
+    from toy import make_data, make_install, make_wheel
+
+    (tmp_path / "data-wheels").mkdir()
+    data = make_data(tmp_path / "data", tmp_path / "data-wheels", ("toyfuse", "toyserve"))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    (tmp_path / "wheels").mkdir()
+    venv, home = tmp_path / "venv", tmp_path / "home"
+    home.mkdir()
+    site = make_install(venv, [make_wheel(tmp_path / "wheels", "1.0", name=n) for n in ("toyfuse", "toyserve")])
+    argv = [sys.executable, "-m", "sm120patch", "revert", "--python", str(venv / "bin" / "python"),
+            "--jit-cache-base", str(home)]
+    assert subprocess.run([*argv[:3], "apply", *argv[4:]], capture_output=True).returncode == 0
+    ledger = InstallState(state_root(site) / "toyfuse-1.0.dist-info").ledger_path
+    document = json.loads(ledger.read_text())
+    document.update(format=99, written_by=f"sm120patch {writer}")
+    ledger.write_text(json.dumps(document))
+    from helpers import tree_snapshot
+
+    before = tree_snapshot(venv, home)
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == ExitCode.REFUSED, proc.stdout + proc.stderr
+    one_clear_error(proc.stderr, f"{ledger} was written by sm120patch {writer} (ledger format 99)")
+    assert tree_snapshot(venv, home) == before  # toyserve's patch stands too
+    newer = tuple(map(int, writer.split("."))) > tuple(map(int, __version__.split(".")))
+    advice = (f"hint: install sm120patch {writer} or later (the version that wrote it)" if newer else
+              "hint: install the sm120patch build that patched this environment (one that reads ledger format 99)")
+    assert advice in proc.stderr, proc.stderr
+    assert ("or later" in proc.stderr) == newer, proc.stderr
+
+
 def data_before_the_tp2_gate(tmp_path: Path) -> Path:
     """The data of the sm120patch before SGLang 0.5.8-0.5.14's auto-enable was gated to TP2:
     today's, with that patch's former form ("ungated") as the patch itself, and the manifests'
