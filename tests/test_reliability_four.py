@@ -126,6 +126,26 @@ def copied_in_entry(env) -> Path:
     return entry
 
 
+@pytest.mark.parametrize("inject", ["error=EIO", "signal=INT"])
+def test_a_rolled_back_apply_leaves_no_lock_file_it_created(toy, tmp_path, inject):
+    """A JIT entry copied in without FlashInfer's lock: apply creates cached_ops/tmp/<module>.lock
+    to take it. When the run is rolled back (a hard link that fails, or Ctrl-C at it), the lock
+    file and the directory it made go too: "nothing was changed" holds for the JIT cache as well
+    (before: the lock file stayed)."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    entry = toy.home / ".cache" / "flashinfer" / "1.0" / "120a" / "cached_ops" / "toy_comm"
+    entry.mkdir(parents=True)
+    (entry / "toy_comm.so").write_bytes(b"\x7fELF")
+    before = toy.snapshot()
+    proc = traced(toy_argv(toy, "apply"), tmp_path / "trace.txt", "link,linkat", f"link,linkat:{inject}:when=1")
+    expected = ExitCode.FAILED if inject.startswith("error") else 130
+    assert proc.returncode == expected, proc.stdout + proc.stderr
+    assert "rolled back" in proc.stderr or "nothing was changed" in proc.stderr, proc.stderr
+    assert calls(tmp_path / "trace.txt", "link") or calls(tmp_path / "trace.txt", "linkat")
+    assert not (entry.parent / "tmp").exists(), sorted((entry.parent / "tmp").iterdir())
+    assert toy.snapshot() == before
+
+
 def service_env(shared_dir, flashinfer_wheel):
     """An environment and a JIT cache base in a directory every user can reach, readable by all."""
     from helpers import ServingEnv
