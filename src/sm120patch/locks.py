@@ -137,11 +137,12 @@ def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] |
     return stack
 
 
-def someone_holds(site_dir: Path) -> bool:
-    """Whether an sm120patch run is changing ``site_dir`` right now (a status must not call
-    its journal an interrupted run)."""
+def someone_holds(path: Path) -> bool:
+    """Whether someone holds the flock on ``path`` right now: an sm120patch run changing an
+    install location (a status must not call its journal an interrupted run), FlashInfer
+    building a module under its lock file (nor its half-built entry an abandoned one)."""
     try:
-        fd = os.open(site_dir, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:

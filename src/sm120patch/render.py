@@ -210,13 +210,17 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
                      "(FlashInfer builds one on first use)")
     module = item.distribution.jit_module
     incomplete = (f"incomplete (no {module}.so: a build that did not finish); the next start rebuilds it")
+    building = (f"being built now (FlashInfer's lock cached_ops/tmp/{module}.lock is held, no {module}.so yet): a "
+                "server's first start or `sm120patch build` is compiling it")
     for entry in jit.entries:
         if entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
                     "cache share this entry, and a patch or revert in either one invalidates it"
-                    + (f"; {incomplete}" if entry in jit.incomplete else ""))
+                    + (f"; {building}" if entry in jit.building else f"; {incomplete}" if entry in jit.incomplete else ""))
         elif entry in jit.stale:
             mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
+        elif entry in jit.building:
+            mark = building
         elif entry in jit.incomplete:
             mark = incomplete
         else:
@@ -269,6 +273,7 @@ def status_json(report: StatusReport) -> dict:
                 "foreign": {str(k): str(v) for k, v in item.jit.foreign.items()},
                 "asides": [str(e) for e in item.jit.asides],
                 "incomplete": [str(e) for e in item.jit.incomplete],
+                "building": [str(e) for e in item.jit.building],
             },
         }
         if a.patch_set:
