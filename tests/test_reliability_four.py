@@ -469,6 +469,36 @@ def test_a_newer_format_ledger_beside_a_current_one_changes_nothing_and_advises_
     assert ("or later" in proc.stderr) == newer, proc.stderr
 
 
+def test_bytes_another_sm120patch_wrote_without_force_are_not_called_forced(sm120patch, serving_env, tmp_path,
+                                                                           monkeypatch):
+    """jit-gate applied by an sm120patch whose data had another applied form of it (here: the
+    form this data's manifest lists, seen by data that lists another hash for it): the ledger
+    vouches for the bytes and says an ordinary apply wrote them. status must not label it
+    "applied (forced)" (--force was never used); it names it as another sm120patch's form, with
+    the way to today's, and revert is exact."""
+    import json
+
+    from helpers import changed, snapshot
+
+    pristine = snapshot(serving_env)
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None)
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    document["files"]["flashinfer/jit/comm.py"]["patched"]["jit-gate"] = "0" * 64  # today's form is another
+    manifest.write_text(json.dumps(document))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    status = sm120patch("status")
+    assert "forced" not in status.output, status.output
+    assert re.search(r"jit-gate +applied \(another sm120patch's form\)", status.output), status.output
+    assert "flashinfer/jit/comm.py: written by another sm120patch" in status.output, status.output
+    doc = json.loads(sm120patch("status", "--json").output)
+    origins = {p["id"]: p["origin"] for d in doc["distributions"] for p in d["patches"]}
+    assert origins["jit-gate"] == "another sm120patch's form", origins
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == [] and changed(pristine, snapshot(serving_env)) == []
+
+
 def data_before_the_tp2_gate(tmp_path: Path) -> Path:
     """The data of the sm120patch before SGLang 0.5.8-0.5.14's auto-enable was gated to TP2:
     today's, with that patch's former form ("ungated") as the patch itself, and the manifests'

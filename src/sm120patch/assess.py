@@ -56,6 +56,9 @@ class Origin(enum.Enum):
     SM120PATCH = "sm120patch"
     ADOPTED = "adopted"  # a hand edit equal to the patch, which apply recorded
     FORCED = "forced"  # patched by meaning with --force; no manifest vouches for the bytes
+    # Written by an ordinary apply of an sm120patch whose data had another form of the patch than
+    # this one's knows (no [[patch.former]] for it): the ledger vouches for the bytes, not --force.
+    OTHER_FORM = "another sm120patch's form"
     BY_HAND = "by hand"  # patched or changed, and sm120patch has no record of it
 
 
@@ -281,8 +284,9 @@ def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: Patch
             origin = Origin.BY_HAND
         ids, former = split_key(combination)
         return FileAssessment(read, State.APPLIED, digest, ids, origin, ledger=ledger, former=former)
-    if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
-        return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
+    if ledger is not None and ledger.patched == digest:  # the ledger vouches for the bytes it wrote
+        origin = Origin.FORCED if ledger.origin == Origin.FORCED.value else Origin.OTHER_FORM
+        return FileAssessment(read, State.APPLIED, digest, ledger.patches, origin, ledger=ledger)
     return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
                           detail=_drift_detail(read.data, patch_set.patches_for(relpath) if patch_set else (),
                                                ledger is not None))

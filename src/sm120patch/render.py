@@ -36,7 +36,8 @@ def _patch_word(item: TreeStatus, patch) -> str:
     fa = item.assessment.files.get(patch.file)
     if state is State.APPLIED and fa is not None and patch.id in fa.former:
         word += " (older form)"
-    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED,
+                                                                     Origin.OTHER_FORM):
         word += f" ({fa.origin.value})"
     return word
 
@@ -54,6 +55,10 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
         if fa.state is State.APPLIED and fa.origin is Origin.BY_HAND:
             lines.append(f"  ! {fa.relpath}: patched by hand, identical to {', '.join(fa.applied)}; sm120patch has no "
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
+        elif fa.state is State.APPLIED and fa.origin is Origin.OTHER_FORM:
+            lines.append(f"  ! {fa.relpath}: written by another sm120patch, whose data has another form of "
+                         f"{', '.join(fa.applied)} than this one's (its ledger vouches for the bytes): `{report.apply_command}` "
+                         "writes this one's form from the saved original, `revert` restores the release's bytes")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
     for patch_id in a.former_ids:
