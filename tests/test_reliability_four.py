@@ -219,6 +219,35 @@ def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, 
     assert tree_snapshot(env.root, env.home) == before
 
 
+def test_a_patched_file_at_mode_000_tells_its_owner_which_mode_to_change(shared_dir, flashinfer_wheel):
+    """nobody's environment, patched (by root, for nobody), one patched file then chmod 000, and
+    nobody runs revert and status: one line that names the mode and the chmod, as
+    docs/guarantees.md promises to a process that already runs as the owner (before:
+    "Permission denied (.../comm.py)" alone), exit 4 as for any permission error, and nothing
+    changes."""
+    from helpers import COMM, one_clear_error, run_as_nobody, run_cli, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    assert run_cli("apply", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+    comm = env.file(COMM)
+    comm.chmod(0)
+    before = tree_snapshot(env.root, env.home)
+    for command in ("revert", "status"):
+        proc = run_as_nobody(sm120patch_argv(env, command, python=system_python), shared_dir)
+        need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == ExitCode.FAILED, (command, output)
+        assert "Traceback" not in output, output
+        assert f"{comm} is mode 0000: its owner (nobody, who runs sm120patch) may not read or write it; " \
+            f"`chmod u+rw {comm}`" in output, (command, output)
+        assert "run sm120patch as nobody" not in output, output
+        one_clear_error(proc.stderr, str(comm))
+        assert tree_snapshot(env.root, env.home) == before, command
+    comm.chmod(0o644)
+    assert run_cli("revert", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+
+
 # -- 3. the state of installs that are all gone --------------------------------------------------
 
 @pytest.mark.parametrize("command", ["revert", "apply", "revert --force"])
