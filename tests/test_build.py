@@ -353,6 +353,36 @@ def _running(pid: int) -> bool:
     return text[text.rindex(")") + 2] not in "ZX"
 
 
+def _slow_build(runtime_env: ServingEnv, tmp_path: Path, command: str):
+    """`command` (build, or verify --build) started on the patched runtime environment with the
+    stand-in nvcc that never finishes: the session, the process (a group of its own), and the
+    stand-in's pid file and marker."""
+    import subprocess
+    import sys
+
+    from helpers import sm120patch_argv
+
+    session = Session(runtime_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
+            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    return session, proc, pids, marker
+
+
+def _wait_for_the_compiler(proc, pids: Path) -> None:
+    import time
+
+    deadline = time.monotonic() + 240
+    while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the stand-in compiler never started"
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+
+
 @pytest.mark.parametrize("command, signal_name, whom", [("build", "SIGTERM", "sm120patch"),
                                                        ("build", "SIGINT", "its process group"),
                                                        ("verify --build", "SIGTERM", "sm120patch")])
@@ -365,27 +395,12 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(run
     entry FlashInfer had started (build.ninja, no trtllm_comm.so) is gone: status finds no
     entry, where it used to call the partial one "current"."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from helpers import sm120patch_argv
-
-    session = Session(runtime_env)
-    assert session("apply", "--flashinfer").exit_code == 0
-    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    session, proc, pids, marker = _slow_build(runtime_env, tmp_path, command)
     entry = runtime_env.jit_entry("120a", "trtllm_comm")
-    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
-    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
-            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the stand-in compiler never started"
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()
+        _wait_for_the_compiler(proc, pids)
         assert (entry / "build.ninja").exists() or command != "build"  # FlashInfer had started the entry
         signum = getattr(signal, signal_name)
         if whom == "sm120patch":
@@ -421,28 +436,13 @@ def test_a_build_killed_outright_leaves_no_compiler_running(runtime_env, tmp_pat
     left incomplete (not "being built now"), and revert does not wait on the lock (before: all
     three kept running with parent PID 1, and revert gave up after 10 s, exit 4)."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from helpers import sm120patch_argv
-
-    session = Session(runtime_env)
-    assert session("apply", "--flashinfer").exit_code == 0
-    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    session, proc, pids, marker = _slow_build(runtime_env, tmp_path, command)
     entry = runtime_env.jit_entry("120a", "trtllm_comm")
-    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
-    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
-            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
     leaders = []
     try:
-        deadline = time.monotonic() + 240
-        while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the stand-in compiler never started"
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()
+        _wait_for_the_compiler(proc, pids)
         leaders = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         assert leaders, "no build process under sm120patch"
         proc.kill()

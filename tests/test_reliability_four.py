@@ -315,58 +315,45 @@ def data_without(tmp_path: Path, relpath: str, patch_id: str | None) -> Path:
     return data
 
 
+def without_hashes(data: Path, relpath: str) -> Path:
+    """``data`` with FlashInfer 0.6.4's vendor manifest lacking ``relpath`` (as an older
+    sm120patch's did before a patch of that file existed)."""
+    import json
+
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    del document["files"][relpath]
+    manifest.write_text(json.dumps(document))
+    return data
+
+
+@pytest.mark.parametrize("lacks", ["the patch", "the patch and the file", "the file's hashes"])
 def test_revert_restores_every_file_the_ledger_lists_whatever_todays_data_knows(sm120patch, serving_env, tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch, lacks):
     """Patched with today's data (unicast-workspace on flashinfer/comm/mnnvl.py among the
-    patches), reverted by an sm120patch whose data lacks that patch: the ledger lists the file
-    and holds its original, so revert restores it too. Every file is back to its RECORD bytes
-    and nothing of sm120patch's state is left (before: mnnvl.py stayed patched, and its original
-    went with the ledger)."""
+    patches), reverted by an sm120patch whose data lacks that patch, or the file too (its
+    vendor manifest has no mnnvl.py, as before unicast-workspace existed), or only the file's
+    hashes: the ledger lists the file and holds its original, so status names it and revert
+    restores it too. Every file is back to its RECORD bytes and nothing of sm120patch's state is
+    left (before: mnnvl.py stayed patched and its original went with the ledger; with the patch
+    in the data but the file's hashes not, a KeyError traceback and nothing reverted)."""
     from helpers import MNNVL, changed, snapshot
 
     before = snapshot(serving_env)
     assert sm120patch("apply").exit_code == 0
     assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
-    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
-                                                               "unicast-workspace")))
-    status = sm120patch("status")
-    assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
-        in status.output, status.output
-    result = sm120patch("revert")
-    assert result.exit_code == 0, result.output
-    assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
-    assert serving_env.record_mismatches() == []
-    assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
-    assert changed(before, snapshot(serving_env)) == []
-
-
-@pytest.mark.parametrize("known", ["neither the patch nor the file", "the patch, not the file's hashes"])
-def test_revert_restores_a_file_todays_data_does_not_know(sm120patch, serving_env, tmp_path, monkeypatch, known):
-    """Patched with today's data, reverted by an sm120patch that knows neither the patch nor the
-    file (its patch set and its vendor manifest lack flashinfer/comm/mnnvl.py, as before
-    unicast-workspace existed): status names the file, revert restores it from the ledger's
-    original, and every file hashes to its RECORD (before: a KeyError traceback, nothing
-    changed, the files stayed patched)."""
-    import json
-
-    from helpers import MNNVL, changed, snapshot
-
-    before = snapshot(serving_env)
-    assert sm120patch("apply").exit_code == 0
-    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", "unicast-workspace" if known.startswith("neither")
-                        else None)
-    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
-    document = json.loads(manifest.read_text())
-    del document["files"][MNNVL]
-    manifest.write_text(json.dumps(document))
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None if lacks == "the file's hashes"
+                        else "unicast-workspace")
+    if lacks != "the patch":
+        without_hashes(data, MNNVL)
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
     status = sm120patch("status")
     assert "Traceback" not in status.output, status.output
-    if known.startswith("neither"):
+    if lacks == "the file's hashes":  # the ledger vouches for the bytes it wrote: patched, as it was left
+        assert status.exit_code == 0 and re.search(r"unicast-workspace +applied", status.output), status.output
+    else:
         assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
             in status.output, status.output
-    else:  # the ledger vouches for the bytes it wrote: patched, as the newer sm120patch left it
-        assert status.exit_code == 0 and re.search(r"unicast-workspace +applied", status.output), status.output
     result = sm120patch("revert")
     assert result.exit_code == 0, result.output
     assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
@@ -379,15 +366,9 @@ def test_a_manifest_without_a_file_its_patch_set_patches_is_refused_in_one_line(
                                                                                 monkeypatch):
     """No ledger vouches for the file and the manifest has no hashes for it: nothing says what
     its release bytes are, so apply refuses the data (exit 2, one line) and changes nothing."""
-    import json
-
     from helpers import MNNVL, changed, one_clear_error, snapshot
 
-    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None)
-    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
-    document = json.loads(manifest.read_text())
-    del document["files"][MNNVL]
-    manifest.write_text(json.dumps(document))
+    data = without_hashes(data_without(tmp_path, "flashinfer-python/0.6.4.toml", None), MNNVL)
     monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
     before = snapshot(serving_env)
     result = sm120patch("apply")

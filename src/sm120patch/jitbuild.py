@@ -63,8 +63,9 @@ def start_build(python: Path, script: str, args: list[str], env: dict, run_as: d
     """``script`` in ``python`` as the leader of a process group (a session) of its own, guarded
     by _GUARD: ended whole by end_group on sm120patch's signals, by the kernel's parent-death
     signal when sm120patch is killed outright."""
-    return subprocess.Popen([str(python), "-c", _GUARD + script, *args], env=dict(env, SM120PATCH_PARENT_PID=str(os.getpid())),
-                            cwd="/", start_new_session=True, **(run_as or {}), **pipes)
+    return subprocess.Popen([str(python), "-c", _GUARD + script, *args],
+                            env=dict(env, SM120PATCH_PARENT_PID=str(os.getpid())), cwd="/", start_new_session=True,
+                            **(run_as or {}), **pipes)
 
 
 # Runs in the target interpreter. argv[1]: JSON {"spec": "module:function", "phase": "build" | "prove" | "sm120"}.

@@ -57,8 +57,8 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
         elif fa.state is State.APPLIED and fa.origin is Origin.OTHER_FORM:
             lines.append(f"  ! {fa.relpath}: written by another sm120patch, whose data has another form of "
-                         f"{', '.join(fa.applied)} than this one's (its ledger vouches for the bytes): `{report.apply_command}` "
-                         "writes this one's form from the saved original, `revert` restores the release's bytes")
+                         f"{', '.join(fa.applied)} than this one's (its ledger vouches for the bytes): "
+                         f"`{report.apply_command}` writes this one's form from the saved original, `revert` restores the release's bytes")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
     for patch_id in a.former_ids:
@@ -221,7 +221,8 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
         if entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
                     "cache share this entry, and a patch or revert in either one invalidates it"
-                    + (f"; {building}" if entry in jit.building else f"; {incomplete}" if entry in jit.incomplete else ""))
+                    + (f"; {building}" if entry in jit.building else
+                       f"; {incomplete}" if entry in jit.incomplete else ""))
         elif entry in jit.stale:
             mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
         elif entry in jit.building:
@@ -317,7 +318,8 @@ def render_change(report: ChangeReport) -> str:
     for path in report.leftovers_removed:
         lines.append(f"removed {path}, left by an earlier run that was killed")
     for orphan in report.orphans_removed:
-        lines.append(f"{'would remove' if report.dry_run else 'removed'} sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
+        lines.append(f"{'would remove' if report.dry_run else 'removed'} sm120patch's state of {orphan.name} "
+                     f"({orphan.describe()}): that install is gone "
                      "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
