@@ -98,6 +98,22 @@ def test_check_mode_changes_nothing_and_diff_mode_shows_the_diff(ansible, servin
     assert changed(before, snapshot(serving_env)) == []
 
 
+def test_check_mode_absent_predicts_removing_left_behind_state(ansible, serving_env, tmp_path):
+    """Every patched distribution uninstalled: the real `state: absent` removes the state left
+    behind (changed), so check mode must say changed too, and change nothing."""
+    results(play(ansible, tmp_path, [patch_task(serving_env)]))
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(serving_env.python), "uninstall", "--yes", "--quiet",
+                    "flashinfer-python", "sglang"], check=True)
+    before = snapshot(serving_env)
+    checked = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert checked[0]["changed"] is True and not checked[0].get("failed"), checked
+    assert changed(before, snapshot(serving_env)) == []
+    real = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")]))
+    assert real[0]["changed"] is True and not serving_env.state_root.exists(), real
+    again = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert again[0]["changed"] is False, again
+
+
 def test_a_drifted_file_fails_with_the_refusal(ansible, serving_env, tmp_path):
     header = serving_env.file(HEADER)
     header.write_text(header.read_text() + "// tuned by hand\n")

@@ -353,6 +353,36 @@ def _running(pid: int) -> bool:
     return text[text.rindex(")") + 2] not in "ZX"
 
 
+def _slow_build(runtime_env: ServingEnv, tmp_path: Path, command: str):
+    """`command` (build, or verify --build) started on the patched runtime environment with the
+    stand-in nvcc that never finishes: the session, the process (a group of its own), and the
+    stand-in's pid file and marker."""
+    import subprocess
+    import sys
+
+    from helpers import sm120patch_argv
+
+    session = Session(runtime_env)
+    assert session("apply", "--flashinfer").exit_code == 0
+    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
+    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
+            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    return session, proc, pids, marker
+
+
+def _wait_for_the_compiler(proc, pids: Path) -> None:
+    import time
+
+    deadline = time.monotonic() + 240
+    while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the stand-in compiler never started"
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+
+
 @pytest.mark.parametrize("command, signal_name, whom", [("build", "SIGTERM", "sm120patch"),
                                                        ("build", "SIGINT", "its process group"),
                                                        ("verify --build", "SIGTERM", "sm120patch")])
@@ -365,27 +395,12 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(run
     entry FlashInfer had started (build.ninja, no trtllm_comm.so) is gone: status finds no
     entry, where it used to call the partial one "current"."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from helpers import sm120patch_argv
-
-    session = Session(runtime_env)
-    assert session("apply", "--flashinfer").exit_code == 0
-    cuda, pids, marker = _slow_cuda_home(tmp_path)
+    session, proc, pids, marker = _slow_build(runtime_env, tmp_path, command)
     entry = runtime_env.jit_entry("120a", "trtllm_comm")
-    env = dict(os.environ, CUDA_HOME=str(cuda), PATH=f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
-    argv = (sm120patch_argv(runtime_env, "build", "--arch", "12.0a") if command == "build" else
-            [sys.executable, "-m", "sm120patch", "verify", "--python", str(runtime_env.python), "--build"])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (pids.exists() and pids.read_text().strip()) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the stand-in compiler never started"
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()
+        _wait_for_the_compiler(proc, pids)
         assert (entry / "build.ninja").exists() or command != "build"  # FlashInfer had started the entry
         signum = getattr(signal, signal_name)
         if whom == "sm120patch":
@@ -410,6 +425,49 @@ def test_a_signal_during_build_ends_the_compiler_and_leaves_no_partial_entry(run
             if _running(pid):  # (before the fix: the stand-ins left running)
                 os.kill(pid, signal.SIGKILL)
         assert session("revert").exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["build", "verify --build"])
+def test_a_build_killed_outright_leaves_no_compiler_running(runtime_env, tmp_path, command):
+    """SIGKILL to sm120patch while nvcc runs (the OOM killer, `kill -9`, a container runtime's
+    timeout): sm120patch cannot act, yet FlashInfer's interpreter, ninja and the compiler end
+    with it (the parent-death signal of the build's group leader), within seconds, and stop
+    writing into the JIT cache; then nothing holds FlashInfer's lock, status calls the entry
+    left incomplete (not "being built now"), and revert does not wait on the lock (before: all
+    three kept running with parent PID 1, and revert gave up after 10 s, exit 4)."""
+    import signal
+    import time
+
+    session, proc, pids, marker = _slow_build(runtime_env, tmp_path, command)
+    entry = runtime_env.jit_entry("120a", "trtllm_comm")
+    leaders = []
+    try:
+        _wait_for_the_compiler(proc, pids)
+        leaders = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert leaders, "no build process under sm120patch"
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        compilers = [int(p) for p in pids.read_text().split()]
+        deadline = time.monotonic() + 15
+        while any(_running(p) for p in compilers + leaders) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in compilers + leaders if _running(p)]
+        assert not alive, f"the build outlived sm120patch killed by SIGKILL: {alive}"
+        seen = marker.stat().st_mtime_ns
+        time.sleep(0.5)
+        assert marker.stat().st_mtime_ns == seen, "the compiler still writes"
+        if command == "build":
+            status = session("status")
+            assert f"{entry}: incomplete" in status.output and "being built" not in status.output, status.output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in leaders + [int(p) for p in (pids.read_text().split() if pids.exists() else [])]:
+            if _running(pid):  # (before the fix: the build left running)
+                os.killpg(pid, signal.SIGKILL) if pid in leaders else os.kill(pid, signal.SIGKILL)
+        reverted = session("revert")
+        assert reverted.exit_code == 0, reverted.output
 
 
 def test_only_what_an_unfinished_build_made_is_removed(tmp_path):

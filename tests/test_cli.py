@@ -120,6 +120,19 @@ def test_one_selector_grammar_on_every_command(sm120patch, serving_env, command)
     assert (touched != []) == (command == "apply") and not any("/sglang/" in p for p in touched), touched
 
 
+SELECTOR_COMMANDS = ["status", "apply", "revert", "diff"]  # every command with --flashinfer/--sglang/--vllm
+
+
+@pytest.mark.parametrize("command", SELECTOR_COMMANDS)
+@pytest.mark.parametrize("value", ["", " 0.6.4", "0.6.4 ", "\t"])
+def test_an_empty_or_padded_selector_is_refused_not_read_as_any_release(command, value):
+    """``--flashinfer ''`` is not ``--flashinfer`` alone (any release), and ``' 0.6.4'`` is not
+    0.6.4: a value the shell quoted is taken as typed, and refused."""
+    result = run_cli(command, "--python", sys.executable, "--flashinfer", value)
+    assert result.exit_code == ExitCode.USAGE, result.output
+    one_clear_error(result.output, "not a version")
+
+
 def test_with_names_valid_ids_and_refuses_required_ones(sm120patch, serving_env):
     before = snapshot(serving_env)
     unknown = sm120patch("apply", "--with", "nope")

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, jit_entry_at, need, readelf_dynamic, undefined
+from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
 CONTAINER = ROOT / "integrations" / "container"
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -85,6 +86,40 @@ def test_the_values_snippets_are_yaml_with_the_image_or_the_wrapper(name):
 def test_the_wrapper_and_launcher_are_valid_shell_and_python():
     assert subprocess.run(["sh", "-n", str(CONTAINER / "sm120patch-entrypoint")]).returncode == 0
     compile((CONTAINER / "sm120patch-launcher.in").read_text().replace("@HOME@", "/opt/x"), "launcher", "exec")
+
+
+def test_the_wrapper_waits_for_a_sibling_replicas_apply_then_starts(toy, tmp_path):
+    """Two replicas on one shared site-packages: one is applying (it holds the install lock, here
+    for 13 s, past sm120patch's own 10 s), the other's wrapper starts meanwhile. It waits for the
+    sibling (the bound its header documents), then applies and starts the server, exit 0, the
+    file patched (before: "apply failed (exit 4); not starting the server", exit 3)."""
+    import fcntl
+    import sys
+    import time
+
+    from toy import FILES
+
+    entrypoint = CONTAINER / "sm120patch-entrypoint"
+    assert "SM120PATCH_LOCK_WAIT" in entrypoint.read_text().split("set -eu")[0]  # the bound is documented
+    comm = toy.site / FILES["toyfuse"][0]
+    released = comm.read_bytes()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", HOME=str(toy.home),
+               SM120PATCH_PYTHON=str(toy.venv / "bin" / "python"), SM120PATCH_JIT_CACHE_BASE=str(toy.home))
+    env.pop("SM120PATCH_LOCK_WAIT", None)
+    fd = os.open(toy.site, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the sibling's apply, as sm120patch holds it
+    try:
+        start = time.monotonic()
+        proc = subprocess.Popen(["sh", str(entrypoint), "sh", "-c", "echo started"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(13)
+        assert proc.poll() is None, proc.communicate()  # still waiting, not refused
+    finally:
+        os.close(fd)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip() == "started", (proc.returncode, out, err)
+    assert time.monotonic() - start >= 13
+    assert comm.read_bytes() != released  # patched by this replica once the sibling let go
 
 
 # The image's build and its starts, each in a private mount namespace over the same directories.

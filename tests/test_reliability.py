@@ -189,6 +189,26 @@ def test_ctrl_c_while_starting_is_one_line_never_a_traceback(tmp_path):
     assert ours > len(imports)  # the handlers' moments too, not only the imports
 
 
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_a_signal_that_came_while_python_started_is_answered_once_the_handlers_are_in_place(how):
+    """What a launcher can do about Ctrl-C inside Python's own start-up (before sm120patch's
+    first line: README, "Ctrl-C while starting"): start sm120patch with SIGINT, SIGTERM and
+    SIGHUP blocked. A signal that came meanwhile waits, and sm120patch, which unblocks them once
+    its handlers are in place, answers it with its one line and 130 (before: it kept the
+    launcher's mask, so the signal was never delivered, and later Ctrl-Cs neither: the command
+    ran to its end, exit 0)."""
+    script = Path(sys.executable).parent / "sm120patch"
+    argv = [str(script), "--version"] if how == "console script" else [sys.executable, "-m", "sm120patch", "--version"]
+    launcher = ("import os, signal, sys\n"
+                "signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))\n"
+                "os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, pending until unblocked\n"
+                "os.execv(sys.argv[1], sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", launcher, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr == "sm120patch: interrupted (SIGINT) while starting; nothing was changed\n", proc.stderr
+    assert proc.stdout == ""
+
+
 def test_a_python_that_never_answers_is_killed_with_what_it_started(tmp_path):
     pidfile = tmp_path / "child.pid"
     python = tmp_path / "python3"

@@ -126,6 +126,26 @@ def copied_in_entry(env) -> Path:
     return entry
 
 
+@pytest.mark.parametrize("inject", ["error=EIO", "signal=INT"])
+def test_a_rolled_back_apply_leaves_no_lock_file_it_created(toy, tmp_path, inject):
+    """A JIT entry copied in without FlashInfer's lock: apply creates cached_ops/tmp/<module>.lock
+    to take it. When the run is rolled back (a hard link that fails, or Ctrl-C at it), the lock
+    file and the directory it made go too: "nothing was changed" holds for the JIT cache as well
+    (before: the lock file stayed)."""
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    entry = toy.home / ".cache" / "flashinfer" / "1.0" / "120a" / "cached_ops" / "toy_comm"
+    entry.mkdir(parents=True)
+    (entry / "toy_comm.so").write_bytes(b"\x7fELF")
+    before = toy.snapshot()
+    proc = traced(toy_argv(toy, "apply"), tmp_path / "trace.txt", "link,linkat", f"link,linkat:{inject}:when=1")
+    expected = ExitCode.FAILED if inject.startswith("error") else 130
+    assert proc.returncode == expected, proc.stdout + proc.stderr
+    assert "rolled back" in proc.stderr or "nothing was changed" in proc.stderr, proc.stderr
+    assert calls(tmp_path / "trace.txt", "link") or calls(tmp_path / "trace.txt", "linkat")
+    assert not (entry.parent / "tmp").exists(), sorted((entry.parent / "tmp").iterdir())
+    assert toy.snapshot() == before
+
+
 def service_env(shared_dir, flashinfer_wheel):
     """An environment and a JIT cache base in a directory every user can reach, readable by all."""
     from helpers import ServingEnv
@@ -199,6 +219,35 @@ def test_permission_denied_to_the_owner_names_the_mode_not_the_user(shared_dir, 
     assert tree_snapshot(env.root, env.home) == before
 
 
+def test_a_patched_file_at_mode_000_tells_its_owner_which_mode_to_change(shared_dir, flashinfer_wheel):
+    """nobody's environment, patched (by root, for nobody), one patched file then chmod 000, and
+    nobody runs revert and status: one line that names the mode and the chmod, as
+    docs/guarantees.md promises to a process that already runs as the owner (before:
+    "Permission denied (.../comm.py)" alone), exit 4 as for any permission error, and nothing
+    changes."""
+    from helpers import COMM, one_clear_error, run_as_nobody, run_cli, tree_snapshot
+
+    env, system_python = service_env(shared_dir, flashinfer_wheel)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(env.root), str(env.home)], check=True)
+    assert run_cli("apply", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+    comm = env.file(COMM)
+    comm.chmod(0)
+    before = tree_snapshot(env.root, env.home)
+    for command in ("revert", "status"):
+        proc = run_as_nobody(sm120patch_argv(env, command, python=system_python), shared_dir)
+        need("No module named" not in proc.stderr, f"nobody cannot run sm120patch here: {proc.stderr.strip()[-200:]}")
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == ExitCode.FAILED, (command, output)
+        assert "Traceback" not in output, output
+        assert f"{comm} is mode 0000: its owner (nobody, who runs sm120patch) may not read or write it; " \
+            f"`chmod u+rw {comm}`" in output, (command, output)
+        assert "run sm120patch as nobody" not in output, output
+        one_clear_error(proc.stderr, str(comm))
+        assert tree_snapshot(env.root, env.home) == before, command
+    comm.chmod(0o644)
+    assert run_cli("revert", "--python", str(env.python), "--jit-cache-base", str(env.home)).exit_code == 0
+
+
 # -- 3. the state of installs that are all gone --------------------------------------------------
 
 @pytest.mark.parametrize("command", ["revert", "apply", "revert --force"])
@@ -220,6 +269,14 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
     files = sorted(f for o in orphaned for f in o["files"])
     assert files == sorted(str(p) for p in serving_env.state_root.rglob("*") if p.is_file())
     before = snapshot(serving_env)
+    if command == "revert":  # the dry run says what the run will remove, and removes nothing
+        dry = sm120patch("revert", "--dry-run", "--json")
+        assert dry.exit_code == 0, dry.output
+        document = json.loads(dry.output)
+        assert document["would_change"] is True, dry.output
+        assert sorted(f for o in document["orphans_removed"] for f in o["files"]) == files
+        assert "would remove sm120patch's state of" in sm120patch("revert", "--dry-run").output
+        assert snapshot(serving_env) == before
     cleaned = sm120patch(*command.split())
     assert cleaned.exit_code == 0, cleaned.output
     for name in names:
@@ -238,7 +295,7 @@ def test_state_of_every_uninstalled_distribution_is_shown_then_removed(sm120patc
 
 # -- 6. sm120patch itself upgraded or downgraded under a patched environment -----------------------
 
-def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
+def data_without(tmp_path: Path, relpath: str, patch_id: str | None) -> Path:
     """The data of an sm120patch that does not know ``patch_id`` (of the patch-set file
     ``relpath``): today's, less that patch, as SM120PATCH_DATA_DIR sees it. That is what an older
     sm120patch meets in an environment a newer one patched (the issue's case: main three days
@@ -248,6 +305,8 @@ def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
     data = tmp_path / f"data-without-{patch_id}"
     shutil.copytree(ROOT / "patches", data / "patches")
     shutil.copytree(ROOT / "vendor-manifests", data / "vendor-manifests")
+    if patch_id is None:  # today's data, to be changed otherwise by the caller
+        return data
     toml = data / "patches" / relpath
     text = toml.read_text()
     start = text.index(f'[[patch]]\nid = "{patch_id}"')
@@ -256,28 +315,65 @@ def data_without(tmp_path: Path, relpath: str, patch_id: str) -> Path:
     return data
 
 
+def without_hashes(data: Path, relpath: str) -> Path:
+    """``data`` with FlashInfer 0.6.4's vendor manifest lacking ``relpath`` (as an older
+    sm120patch's did before a patch of that file existed)."""
+    import json
+
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    del document["files"][relpath]
+    manifest.write_text(json.dumps(document))
+    return data
+
+
+@pytest.mark.parametrize("lacks", ["the patch", "the patch and the file", "the file's hashes"])
 def test_revert_restores_every_file_the_ledger_lists_whatever_todays_data_knows(sm120patch, serving_env, tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch, lacks):
     """Patched with today's data (unicast-workspace on flashinfer/comm/mnnvl.py among the
-    patches), reverted by an sm120patch whose data lacks that patch: the ledger lists the file
-    and holds its original, so revert restores it too. Every file is back to its RECORD bytes
-    and nothing of sm120patch's state is left (before: mnnvl.py stayed patched, and its original
-    went with the ledger)."""
+    patches), reverted by an sm120patch whose data lacks that patch, or the file too (its
+    vendor manifest has no mnnvl.py, as before unicast-workspace existed), or only the file's
+    hashes: the ledger lists the file and holds its original, so status names it and revert
+    restores it too. Every file is back to its RECORD bytes and nothing of sm120patch's state is
+    left (before: mnnvl.py stayed patched and its original went with the ledger; with the patch
+    in the data but the file's hashes not, a KeyError traceback and nothing reverted)."""
     from helpers import MNNVL, changed, snapshot
 
     before = snapshot(serving_env)
     assert sm120patch("apply").exit_code == 0
     assert "unicast-workspace" in serving_env.state().read_ledger().files[MNNVL].patches
-    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data_without(tmp_path, "flashinfer-python/0.6.4.toml",
-                                                               "unicast-workspace")))
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None if lacks == "the file's hashes"
+                        else "unicast-workspace")
+    if lacks != "the patch":
+        without_hashes(data, MNNVL)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
     status = sm120patch("status")
-    assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
-        in status.output, status.output
+    assert "Traceback" not in status.output, status.output
+    if lacks == "the file's hashes":  # the ledger vouches for the bytes it wrote: patched, as it was left
+        assert status.exit_code == 0 and re.search(r"unicast-workspace +applied", status.output), status.output
+    else:
+        assert f"{MNNVL}: patched by an sm120patch whose data has unicast-workspace, which this one's does not" \
+            in status.output, status.output
     result = sm120patch("revert")
     assert result.exit_code == 0, result.output
     assert "flashinfer-python 0.6.4: restored 6 files" in result.output, result.output
     assert serving_env.record_mismatches() == []
     assert not serving_env.state_root.exists(), sorted(serving_env.state_root.rglob("*"))
+    assert changed(before, snapshot(serving_env)) == []
+
+
+def test_a_manifest_without_a_file_its_patch_set_patches_is_refused_in_one_line(sm120patch, serving_env, tmp_path,
+                                                                                monkeypatch):
+    """No ledger vouches for the file and the manifest has no hashes for it: nothing says what
+    its release bytes are, so apply refuses the data (exit 2, one line) and changes nothing."""
+    from helpers import MNNVL, changed, one_clear_error, snapshot
+
+    data = without_hashes(data_without(tmp_path, "flashinfer-python/0.6.4.toml", None), MNNVL)
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    before = snapshot(serving_env)
+    result = sm120patch("apply")
+    assert result.exit_code == ExitCode.USAGE, result.output
+    one_clear_error(result.output, f"the vendor manifest of flashinfer-python 0.6.4 has no hashes for {MNNVL}")
     assert changed(before, snapshot(serving_env)) == []
 
 
@@ -337,6 +433,80 @@ def test_a_ledger_or_journal_of_a_newer_format_is_refused_naming_the_version_tha
             assert "hint: install sm120patch 7.1.0 or later (the version that wrote it)" in output, output
         assert "move it aside" not in output and "unreadable" not in output, output
         assert toy.snapshot() == before, command
+
+
+@pytest.mark.parametrize("writer", ["7.1.0", "0.1.0", "0.0.9"])
+def test_a_newer_format_ledger_beside_a_current_one_changes_nothing_and_advises_what_can_be_done(tmp_path, monkeypatch,
+                                                                                               writer):
+    """Two distributions patched in one environment, one ledger then rewritten in a newer format:
+    revert refuses the whole run (exit 3) and nothing changes, the other distribution included,
+    as docs/guarantees.md says (before: it reverted the other one and said "nothing was
+    changed"). The refusal names the version the ledger records; "install X or later" only
+    when X is newer than this sm120patch (before: "install sm120patch 0.1.0 or later", said by
+    0.1.0 itself)."""
+    import json
+
+    from helpers import one_clear_error
+    from sm120patch import __version__
+    from sm120patch.state import InstallState, state_root
+    from toy import make_data, make_install, make_wheel
+
+    (tmp_path / "data-wheels").mkdir()
+    data = make_data(tmp_path / "data", tmp_path / "data-wheels", ("toyfuse", "toyserve"))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    (tmp_path / "wheels").mkdir()
+    venv, home = tmp_path / "venv", tmp_path / "home"
+    home.mkdir()
+    site = make_install(venv, [make_wheel(tmp_path / "wheels", "1.0", name=n) for n in ("toyfuse", "toyserve")])
+    argv = [sys.executable, "-m", "sm120patch", "revert", "--python", str(venv / "bin" / "python"),
+            "--jit-cache-base", str(home)]
+    assert subprocess.run([*argv[:3], "apply", *argv[4:]], capture_output=True).returncode == 0
+    ledger = InstallState(state_root(site) / "toyfuse-1.0.dist-info").ledger_path
+    document = json.loads(ledger.read_text())
+    document.update(format=99, written_by=f"sm120patch {writer}")
+    ledger.write_text(json.dumps(document))
+    from helpers import tree_snapshot
+
+    before = tree_snapshot(venv, home)
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == ExitCode.REFUSED, proc.stdout + proc.stderr
+    one_clear_error(proc.stderr, f"{ledger} was written by sm120patch {writer} (ledger format 99)")
+    assert tree_snapshot(venv, home) == before  # toyserve's patch stands too
+    newer = tuple(map(int, writer.split("."))) > tuple(map(int, __version__.split(".")))
+    advice = (f"hint: install sm120patch {writer} or later (the version that wrote it)" if newer else
+              "hint: install the sm120patch build that patched this environment (one that reads ledger format 99)")
+    assert advice in proc.stderr, proc.stderr
+    assert ("or later" in proc.stderr) == newer, proc.stderr
+
+
+def test_bytes_another_sm120patch_wrote_without_force_are_not_called_forced(sm120patch, serving_env, tmp_path,
+                                                                           monkeypatch):
+    """jit-gate applied by an sm120patch whose data had another applied form of it (here: the
+    form this data's manifest lists, seen by data that lists another hash for it): the ledger
+    vouches for the bytes and says an ordinary apply wrote them. status must not label it
+    "applied (forced)" (--force was never used); it names it as another sm120patch's form, with
+    the way to today's, and revert is exact."""
+    import json
+
+    from helpers import changed, snapshot
+
+    pristine = snapshot(serving_env)
+    assert sm120patch("apply", "--flashinfer").exit_code == 0
+    data = data_without(tmp_path, "flashinfer-python/0.6.4.toml", None)
+    manifest = data / "vendor-manifests" / "flashinfer-python" / "0.6.4.json"
+    document = json.loads(manifest.read_text())
+    document["files"]["flashinfer/jit/comm.py"]["patched"]["jit-gate"] = "0" * 64  # today's form is another
+    manifest.write_text(json.dumps(document))
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    status = sm120patch("status")
+    assert "forced" not in status.output, status.output
+    assert re.search(r"jit-gate +applied \(another sm120patch's form\)", status.output), status.output
+    assert "flashinfer/jit/comm.py: written by another sm120patch" in status.output, status.output
+    doc = json.loads(sm120patch("status", "--json").output)
+    origins = {p["id"]: p["origin"] for d in doc["distributions"] for p in d["patches"]}
+    assert origins["jit-gate"] == "another sm120patch's form", origins
+    assert sm120patch("revert").exit_code == 0
+    assert serving_env.record_mismatches() == [] and changed(pristine, snapshot(serving_env)) == []
 
 
 def data_before_the_tp2_gate(tmp_path: Path) -> Path:

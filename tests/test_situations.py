@@ -330,6 +330,34 @@ def test_an_entry_a_build_did_not_finish_is_incomplete_never_current(sm120patch,
     assert jit["incomplete"] == [str(entry)] and jit["stale"] == []
 
 
+def test_an_entry_being_built_now_is_told_from_an_abandoned_one(sm120patch, serving_env):
+    """The same half-built entry while FlashInfer's lock on it is held (a server's first start,
+    a build running): status says it is being built now, never "incomplete ... the next start
+    rebuilds it" (before: it said so of a build in progress); the lock let go, incomplete."""
+    import fcntl
+    import json
+
+    assert sm120patch("apply").exit_code == 0
+    entry = serving_env.jit_entry("120a", "trtllm_comm")
+    entry.mkdir(parents=True)
+    source = serving_env.file("flashinfer/data/csrc/trtllm_allreduce.cu")
+    (entry / "build.ninja").write_text(f"build trtllm_allreduce.cuda.o: cuda_compile {source}\n")
+    (entry.parent / "tmp").mkdir()
+    lock = entry.parent / "tmp" / "trtllm_comm.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as FlashInfer's filelock holds it while it builds
+        status = sm120patch("status")
+        assert f"{entry}: being built now (FlashInfer's lock cached_ops/tmp/trtllm_comm.lock is held" in status.output, \
+            status.output
+        assert "the next start rebuilds it" not in status.output
+        assert f"trtllm_comm in {entry} is being built now" in status.output, status.output
+        jit = next(d for d in json.loads(sm120patch("status", "--json").output)["distributions"]
+                   if d["name"] == "flashinfer-python")["jit_cache"]
+        assert jit["building"] == [str(entry)] and jit["incomplete"] == [str(entry)]
+    after = sm120patch("status")
+    assert f"{entry}: incomplete (no trtllm_comm.so" in after.output and "being built" not in after.output, after.output
+
+
 def test_another_environments_entry_is_foreign_not_stale_however_old(sm120patch, serving_env, tmp_path):
     """Two environments sharing one cache base: an entry the other one's build left (here without
     its library, as an interrupted build leaves it), older than this environment's sources (this

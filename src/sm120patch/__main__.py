@@ -6,26 +6,29 @@ collector's passes over them, during the imports and once more at exit, cost a t
 ``status`` (docs/benchmarks.md). They are frozen, so no later pass looks at them again; the
 command itself runs with the collector on.
 
-SIGINT, SIGTERM and SIGHUP are blocked from this module's first line (``python -m``; the
-console script: from main()'s) until main()'s handlers are in place: a signal that comes in
-between waits and is raised where main() catches it, never in a line no handler covers. From
-then on one signal ends the start-up (one line, 128 + the signal); a second one, and one that
-comes after the command has finished (while the exit unwinds, while the interpreter
+SIGINT, SIGTERM and SIGHUP are blocked from this module's first line until main()'s handlers
+are in place: a signal that comes in between waits and is raised where main() catches it, never
+in a line no handler covers. This module is imported only to run sm120patch (``python -m``, the
+console script, the container's launcher), so its first line is the earliest sm120patch can
+act. From then on one signal ends the start-up (one line, 128 + the signal); a second one, and
+one that comes after the command has finished (while the exit unwinds, while the interpreter
 finalizes), is only noted.
+
+What comes before that line is Python's own start-up (its site import) and, for the console
+script, the script's first lines: a Ctrl-C there (the first ~20 ms) is Python's to report
+("Fatal Python error: init_import_site", or a KeyboardInterrupt traceback, exit 1, or a silent
+end by the signal); no sm120patch code has run, so nothing was changed (README, "Exit codes").
 """
 
-if __name__ == "__main__":  # python -m sm120patch: before anything else (the console script: main())
-    try:  # SIGINT, SIGTERM and SIGHUP wait, blocked, until main() has its handlers in place
-        import _signal
+try:  # SIGINT, SIGTERM and SIGHUP wait, blocked, until main() has its handlers in place
+    import _signal
 
-        _MASK = _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP))
-    except KeyboardInterrupt:  # one that came before the first line, raised there
-        import os
+    _MASK = _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP))
+except KeyboardInterrupt:  # one that came before the first line, raised there
+    import os
 
-        os.write(2, b"sm120patch: interrupted (SIGINT) while starting; nothing was changed\n")
-        os._exit(130)
-else:
-    _MASK = None
+    os.write(2, b"sm120patch: interrupted (SIGINT) while starting; nothing was changed\n")
+    os._exit(130)
 
 import gc
 import signal
@@ -88,9 +91,6 @@ def _interrupted(signum: int) -> None:
 
 
 def main() -> None:
-    global _MASK
-    if _MASK is None:  # the console script: its module was imported, not run
-        _MASK = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
     # Until the CLI installs its own handlers (signals.py), a signal means nothing was begun.
     # They are set while the signals are blocked: one that came meanwhile is raised when they
     # are unblocked, inside the try below.
@@ -99,7 +99,10 @@ def main() -> None:
     sys.unraisablehook = _dropped
     gc.disable()
     try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
+        # The mask sm120patch started with, less these three: a launcher that started it with
+        # them blocked (to cover Python's own start-up) gets a signal that came meanwhile
+        # answered here, and every later one too.
+        signal.pthread_sigmask(signal.SIG_SETMASK, set(_MASK) - set(HANDLED))
         from sm120patch.cli import main as run
     except BaseException as exc:  # noqa: BLE001 - only an interrupt is ours to explain
         interrupt = _interrupt(exc)

@@ -56,6 +56,9 @@ class Origin(enum.Enum):
     SM120PATCH = "sm120patch"
     ADOPTED = "adopted"  # a hand edit equal to the patch, which apply recorded
     FORCED = "forced"  # patched by meaning with --force; no manifest vouches for the bytes
+    # Written by an ordinary apply of an sm120patch whose data had another form of the patch than
+    # this one's knows (no [[patch.former]] for it): the ledger vouches for the bytes, not --force.
+    OTHER_FORM = "another sm120patch's form"
     BY_HAND = "by hand"  # patched or changed, and sm120patch has no record of it
 
 
@@ -181,10 +184,30 @@ def _ledger_only(tree: Tree, ledger: Ledger | None, result: Assessment) -> Mappi
     for relpath, entry in ledger.files.items():
         if relpath in result.files:
             continue
-        expected = FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
-                              patched={"+".join(entry.patches): entry.patched})
-        found[relpath] = assess_file(tree, relpath, expected, None, entry)
+        found[relpath] = assess_file(tree, relpath, _ledger_hashes(tree, relpath, entry), None, entry)
     return MappingProxyType(found)
+
+
+def _ledger_hashes(tree: Tree, relpath: str, entry: LedgerFile) -> FileHashes:
+    """A file's hashes as the ledger has them (what sm120patch wrote), the release's from the
+    installed RECORD when it lists the file."""
+    return FileHashes(pristine=tree.release_sha256(relpath) or entry.pristine,
+                      patched={"+".join(entry.patches): entry.patched})
+
+
+def _expected(tree: Tree, relpath: str, manifest: Manifest, patch_set: PatchSet, ledger: Ledger | None) -> FileHashes:
+    """The hashes a patched file is judged by: the vendor manifest's; for a file it lacks (data
+    of an older sm120patch than the one that patched it, or data edited by hand), the ledger's,
+    so that what sm120patch wrote is still recognised and reverted. Without either, nothing
+    vouches for the file's bytes: the data is refused (never patched unchecked)."""
+    if relpath in manifest.files:
+        return manifest.files[relpath]
+    entry = ledger.files.get(relpath) if ledger else None
+    if entry is not None:
+        return _ledger_hashes(tree, relpath, entry)
+    raise PatchDataError(f"the vendor manifest of {manifest.distribution} {manifest.version} has no hashes for "
+                         f"{relpath}, which the patch set {patch_set.name} patches",
+                         hint="reinstall sm120patch (its data is incomplete), or run `make manifests` in a checkout")
 
 
 def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, force_unknown: bool) -> Assessment:
@@ -221,8 +244,8 @@ def _assess(tree: Tree, distribution: Distribution, *, ledger: Ledger | None, fo
         manifest = load_manifest(distribution.name, str(version))
         if manifest is None:
             raise PatchDataError(f"no vendor manifest for {distribution.name} {tree.raw_version}; run `make manifests`")
-    files = {relpath: assess_file(tree, relpath, manifest.files[relpath], result.patch_set,
-                                  ledger.files.get(relpath) if ledger else None)
+    files = {relpath: assess_file(tree, relpath, _expected(tree, relpath, manifest, result.patch_set, ledger),
+                                  result.patch_set, ledger.files.get(relpath) if ledger else None)
              for relpath in result.patch_set.files}
     return result._replace(manifest=manifest, files=files)
 
@@ -261,8 +284,9 @@ def assess_file(tree: Tree, relpath: str, expected: FileHashes, patch_set: Patch
             origin = Origin.BY_HAND
         ids, former = split_key(combination)
         return FileAssessment(read, State.APPLIED, digest, ids, origin, ledger=ledger, former=former)
-    if ledger is not None and ledger.patched == digest:  # forced: the ledger vouches for the bytes it wrote
-        return FileAssessment(read, State.APPLIED, digest, ledger.patches, Origin.FORCED, ledger=ledger)
+    if ledger is not None and ledger.patched == digest:  # the ledger vouches for the bytes it wrote
+        origin = Origin.FORCED if ledger.origin == Origin.FORCED.value else Origin.OTHER_FORM
+        return FileAssessment(read, State.APPLIED, digest, ledger.patches, origin, ledger=ledger)
     return FileAssessment(read, State.DRIFTED, digest, origin=Origin.BY_HAND, ledger=ledger,
                           detail=_drift_detail(read.data, patch_set.patches_for(relpath) if patch_set else (),
                                                ledger is not None))

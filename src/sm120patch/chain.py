@@ -372,7 +372,9 @@ def _jit(kernels: Assessment | None, jit: JitStatus | None, aot: Sequence[AotSha
                     "loads it as it is", fix=commands.apply)
     built = [e for e in jit.entries if e not in jit.incomplete]
     if not built:
-        what = (f"{module} in {jit.incomplete[0]} is incomplete (no {module}.so: a build that did not finish)"
+        what = (f"{module} in {jit.building[0]} is being built now (FlashInfer's lock is held, no {module}.so yet)"
+                if jit.building else
+                f"{module} in {jit.incomplete[0]} is incomplete (no {module}.so: a build that did not finish)"
                 if jit.incomplete else f"no {module} built for {kernels.raw_version} in {jit.base.cache_dir}")
         return Step("jit", StepResult.OK, what,
                     note=f"its first start compiles {module} (minutes per rank's first call): `{commands.build}` builds it now",

@@ -12,7 +12,7 @@ from typing import Sequence
 from sm120patch import jitbuild, jitcache, signals
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
-from sm120patch.errors import BuildInterrupted, RefusedError, Sm120PatchError, UsageError
+from sm120patch.errors import BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.fileops import prune
 from sm120patch.journal import journal_at, leftover_runs, read_journal
 from sm120patch.locks import install_locks
@@ -211,6 +211,8 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
                     report.results.append(Result(a.name, a.raw_version, tree.words.label, tree.words.kind, message=a.reason))
                     continue
                 plan = plan_revert(a, force=request.force, wheel_dir=request.wheel_dir, download=not request.dry_run)
+            except NewerFormatError:  # a record this sm120patch misreads: the whole run stops, nothing changes
+                raise
             except RefusedError as exc:
                 report.left.append(Left(tree.distribution.name, tree.raw_version, exc))
                 continue

@@ -88,6 +88,10 @@ def handle(exc: BaseException) -> int:
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
         where = f" ({exc.filename})" if exc.filename else ""
         click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
+        if isinstance(exc, PermissionError) and exc.filename:  # which user to run as, or which mode to change
+            from sm120patch.state import permission_hint
+
+            click.echo(f"hint: {permission_hint(Path(str(exc.filename)))}", err=True)
         return int(ExitCode.FAILED)
     raise exc
 

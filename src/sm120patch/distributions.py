@@ -28,7 +28,9 @@ WORKSPACE_CALLS = ("legacy", "unified")
 # Files beside the patch sets that are not patch sets: the distribution's facts, and its log
 # lines (read by `check-log` alone, logcheck.py).
 NOT_PATCH_SETS = ("distribution.toml", "logs.toml")
-ANY = ""  # a selector given without a version (--flashinfer alone): whatever release is installed
+# A selector given without a version (--flashinfer alone): whatever release is installed. A NUL,
+# which no command-line argument can hold, so that `--flashinfer ''` is a value (refused), not this.
+ANY = "\0"
 
 
 class Advice(NamedTuple):

@@ -10,6 +10,8 @@ import os
 import shlex
 from typing import Sequence
 
+from packaging.version import InvalidVersion, Version
+
 from sm120patch import __version__
 
 
@@ -100,14 +102,28 @@ class NewerFormatError(RefusedError):
 
 
 def newer_format(what: str, path, found, known: int, written_by: str | None) -> NewerFormatError:
-    """The one-line refusal, naming the sm120patch that wrote ``path`` (it can read it)."""
+    """The one-line refusal, naming the sm120patch that wrote ``path`` as the record says (it
+    can read it). "Install X or later" only where X is a later release than this one: a record
+    that names this version or an older one came from another build (a development checkout),
+    and only that build is sure to read it."""
     writer = written_by or "a newer sm120patch"
     wanted = written_by.split()[-1] if written_by and written_by.startswith("sm120patch ") else None
+    if wanted is not None and not _later(wanted, __version__):
+        advice = f"install the sm120patch build that patched this environment (one that reads {what} format {found})"
+    elif wanted is not None:
+        advice = f"install sm120patch {wanted} or later (the version that wrote it)"
+    else:
+        advice = "install the newer sm120patch that patched this environment"
     return NewerFormatError(
         f"{path} was written by {writer} ({what} format {found}); this sm120patch {__version__} reads format {known} "
-        "and cannot honour it; nothing was changed",
-        hint=(f"install sm120patch {wanted} or later (the version that wrote it)" if wanted else
-              "install the newer sm120patch that patched this environment") + ", then run the command again")
+        "and cannot honour it; nothing was changed", hint=advice + ", then run the command again")
+
+
+def _later(version: str, than: str) -> bool:
+    try:
+        return Version(version) > Version(than)
+    except InvalidVersion:  # not a version sm120patch writes: nothing says it is older
+        return True
 
 
 class CheckFailedError(Sm120PatchError):

@@ -33,6 +33,41 @@ from sm120patch.words import counted
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 _ARCH = re.compile(r"^\d+\.\d+[af]?$")
 
+# First in every build process (the group leader, in the target interpreter): sm120patch's end,
+# even by SIGKILL (the OOM killer, `kill -9`, a container runtime's timeout), which no handler of
+# sm120patch's sees, ends the build. Linux sends the leader SIGTERM when sm120patch dies
+# (prctl PR_SET_PDEATHSIG), and the leader passes it to its whole process group: FlashInfer's
+# ninja, which passes it on to its compilers' groups. SM120PATCH_PARENT_PID closes the window
+# in which sm120patch died before the guard was set. Elsewhere than Linux there is no such
+# signal: end_group, on sm120patch's own signals, is all there is.
+_GUARD = r"""
+def _sm120patch_guard():
+    import ctypes, os, signal
+    def end(signum=None, frame=None):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.killpg(0, signal.SIGTERM)  # this process too, by the default action
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM)) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    signal.signal(signal.SIGTERM, end)
+    if str(os.getppid()) != os.environ.get("SM120PATCH_PARENT_PID", str(os.getppid())):
+        end()
+_sm120patch_guard()
+"""
+
+
+def start_build(python: Path, script: str, args: list[str], env: dict, run_as: dict | None = None,
+                **pipes) -> subprocess.Popen:
+    """``script`` in ``python`` as the leader of a process group (a session) of its own, guarded
+    by _GUARD: ended whole by end_group on sm120patch's signals, by the kernel's parent-death
+    signal when sm120patch is killed outright."""
+    return subprocess.Popen([str(python), "-c", _GUARD + script, *args],
+                            env=dict(env, SM120PATCH_PARENT_PID=str(os.getpid())), cwd="/", start_new_session=True,
+                            **(run_as or {}), **pipes)
+
+
 # Runs in the target interpreter. argv[1]: JSON {"spec": "module:function", "phase": "build" | "prove" | "sm120"}.
 _SCRIPT = r"""
 import importlib, json, os, subprocess, sys
@@ -393,17 +428,18 @@ def _run(python: Path, request: dict, env: dict, run_as: dict,
     """Run one phase in the target interpreter. ``events`` (filled as they arrive) is the
     caller's, so that what the build had said (its entry) is known even when a signal ends it.
 
-    The build runs in a process group of its own (a new session): a SIGTERM sent to sm120patch
-    alone (systemd, Ansible) would otherwise leave FlashInfer's ninja and its nvcc running with
-    parent PID 1, writing into the cache after sm120patch exited; and a Ctrl-C reaches
+    The build runs in a process group of its own (a new session, start_build): a SIGTERM sent to
+    sm120patch alone (systemd, Ansible) would otherwise leave FlashInfer's ninja and its nvcc
+    running with parent PID 1, writing into the cache after sm120patch exited (a SIGKILL, which
+    sm120patch never sees, ends it by the parent-death signal); and a Ctrl-C reaches
     sm120patch only, which ends the build itself, waits for it and then reports (never a
     traceback from the target's interpreter). On any exception here (a signal, an I/O error)
     the whole group, and whatever it started in groups of its own (ninja puts each compiler
     in one), is ended before the exception goes on."""
     events = {} if events is None else events
     tail: deque[str] = deque(maxlen=20)
-    proc = subprocess.Popen([str(python), "-c", _SCRIPT, json.dumps(request)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd="/", start_new_session=True, **run_as)
+    proc = start_build(python, _SCRIPT, [json.dumps(request)], env, run_as, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:

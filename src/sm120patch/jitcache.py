@@ -25,7 +25,7 @@ from sm120patch.environment import FLASHINFER_JIT_CACHE, Environment, InstalledD
 from sm120patch.records import AotShadow, CacheBase, JitStatus
 from sm120patch.state import Owner
 from sm120patch.fileops import ASIDE_TAG
-from sm120patch.locks import flock
+from sm120patch.locks import flock, someone_holds
 from sm120patch.transaction import Change
 
 
@@ -42,8 +42,14 @@ def status(version: str, module: str, base: CacheBase, site_dir: Path, sources: 
     # nothing against this environment's sources (installed or patched later, say), so it is
     # reported as foreign, never as stale here.
     stale = [e for e in found if e not in foreign and is_stale(e, sources)]
+    incomplete = [e for e in found if not is_built(e, module)]
     return JitStatus(base, found, stale=stale, foreign=foreign, asides=asides(version, base.path, module),
-                     incomplete=[e for e in found if not is_built(e, module)])
+                     incomplete=incomplete, building=[e for e in incomplete if someone_holds(lock_path(e, module))])
+
+
+def lock_path(entry: Path, module: str) -> Path:
+    """FlashInfer's build and load lock of ``module``'s entry."""
+    return entry.parent / "tmp" / f"{module}.lock"
 
 
 def cache_base(override: str | os.PathLike | None = None, *, owner: Owner | None = None) -> CacheBase:
@@ -142,7 +148,7 @@ def module_locks(entries_: list[Path], module: str, *, owner: Owner | None,
     try:
         for entry in entries_:
             arch = entry.parent.parent
-            lock = entry.parent / "tmp" / f"{module}.lock"
+            lock = lock_path(entry, module)
             stack.enter_context(flock(
                 lock, what="FlashInfer's lock", timeout=timeout, on_wait=on_wait, create=True, owner=owner,
                 busy=f"a FlashInfer process is building or loading {module} in {arch} (it holds {lock})",

@@ -41,18 +41,30 @@ def lock_wait() -> float:
 def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[str], None] | None,
           busy: str, hint: str, create: bool = False, owner: Owner | None = None) -> Iterator[None]:
     """Hold an exclusive flock on ``path`` (a directory, or a lock file created when
-    ``create``); say once that it waits, give up after ``timeout`` seconds (None: lock_wait())."""
+    ``create``); say once that it waits, give up after ``timeout`` seconds (None: lock_wait()).
+
+    A lock file this call created, and the directories it made for it, are removed again when
+    the work under the lock fails or is interrupted (a rolled-back run changed nothing, in the
+    JIT cache either), while the lock is still held; a run that succeeded leaves the file, as
+    FlashInfer itself would."""
     if timeout is None:
         timeout = lock_wait()
+    made: list[Path] = []
     try:
+        fd = None
         if create and not path.exists():
-            _make_dirs(path.parent, owner)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            if owner is not None:
+            made = _make_dirs(path.parent, owner)
+            try:  # O_EXCL: a file another process creates meanwhile is theirs, never removed here
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                made.append(path)
+            except FileExistsError:
+                pass
+            if fd is not None and owner is not None:
                 owner.apply(path)
-        else:  # an flock needs no write access: a lock file another user made works as well
+        if fd is None:  # an flock needs no write access: a lock file another user made works as well
             fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
+        _remove_made(made)
         raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
     try:
         deadline = time.monotonic() + timeout
@@ -70,22 +82,42 @@ def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[st
                 on_wait(f"waiting: {busy} ...")
                 told = True
             time.sleep(0.1)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
         yield
+    except BaseException:
+        _remove_made(made)  # (still held: no one else took it in between)
+        raise
     finally:
         os.close(fd)  # closing releases the lock
 
 
-def _make_dirs(directory: Path, owner: Owner | None) -> None:
+def _remove_made(made: list[Path]) -> None:
+    """What ``flock`` created (a lock file, then its directories, deepest first), as far as
+    nothing else has been put there since."""
+    for path in reversed(made):
+        try:
+            path.rmdir() if path.is_dir() else path.unlink()
+        except OSError:  # someone else's file in it now: it stays, and so do its parents
+            return
+
+
+def _make_dirs(directory: Path, owner: Owner | None) -> list[Path]:
     """``directory`` and its missing parents, each given ``owner``: root creating FlashInfer's
     ``cached_ops/tmp/`` in a service user's cache must leave it that user's, or the user could
     no longer create the lock of any module there (the server would fail to build or load)."""
+    made = []
     for path in missing_parents(directory):
         try:
             path.mkdir()  # the mode FlashInfer's own makedirs gives it (0777 less the umask)
         except FileExistsError:
             continue
+        made.append(path)
         if owner is not None:
             owner.apply(path)
+    return made
 
 
 def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
@@ -105,11 +137,12 @@ def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] |
     return stack
 
 
-def someone_holds(site_dir: Path) -> bool:
-    """Whether an sm120patch run is changing ``site_dir`` right now (a status must not call
-    its journal an interrupted run)."""
+def someone_holds(path: Path) -> bool:
+    """Whether someone holds the flock on ``path`` right now: an sm120patch run changing an
+    install location (a status must not call its journal an interrupted run), FlashInfer
+    building a module under its lock file (nor its half-built entry an abandoned one)."""
     try:
-        fd = os.open(site_dir, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:

@@ -57,12 +57,14 @@ def normalize_selector(option: str, value: str) -> str:
     """``v0.6.4`` and ``0.6.4`` name one release; anything that is not a version is refused."""
     if value == ANY:
         return ANY
-    text = value.strip()
-    text = text[1:] if text[:1] in ("v", "V") else text
+    text = value[1:] if value[:1] in ("v", "V") else value
     try:
+        if text != text.strip():  # packaging would read ' 0.6.4' as 0.6.4: a quoted value is taken as typed
+            raise InvalidVersion(text)
         Version(text)
     except InvalidVersion:
-        raise UsageError(f"--{option} {value}: not a version", hint=f"e.g. --{option} 0.6.4, or --{option} alone "
+        shown = value if value and value == value.strip() else repr(value)  # '' and ' 0.6.4' visible as given
+        raise UsageError(f"--{option} {shown}: not a version", hint=f"e.g. --{option} 0.6.4, or --{option} alone "
                                                                    "for whatever release is installed") from None
     return text
 

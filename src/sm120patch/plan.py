@@ -135,7 +135,8 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
             raise _refuse_link(assessment, fa)
         if fa.state is State.DRIFTED and not force:
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
-        if fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None and not fa.former:
+        if (fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None and not fa.former
+                and fa.origin is not Origin.OTHER_FORM):  # (another sm120patch's form: today's is written)
             if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
                 ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
                                                    origin=Origin.ADOPTED.value)

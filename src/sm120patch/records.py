@@ -33,6 +33,9 @@ class JitStatus(NamedTuple):
     # Entries without the module's library: a build that did not finish (build.ninja, .d and
     # object files). FlashInfer's next start builds the rest; nothing loads one as it is.
     incomplete: Sequence[Path] = ()
+    # Those of them whose FlashInfer lock (cached_ops/tmp/<module>.lock) someone holds: a build
+    # running now (a server's first start, `sm120patch build`), not one that was abandoned.
+    building: Sequence[Path] = ()
 
 
 class AotShadow(NamedTuple):

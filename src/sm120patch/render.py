@@ -36,7 +36,8 @@ def _patch_word(item: TreeStatus, patch) -> str:
     fa = item.assessment.files.get(patch.file)
     if state is State.APPLIED and fa is not None and patch.id in fa.former:
         word += " (older form)"
-    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED):
+    elif state is State.APPLIED and fa is not None and fa.origin in (Origin.BY_HAND, Origin.ADOPTED, Origin.FORCED,
+                                                                     Origin.OTHER_FORM):
         word += f" ({fa.origin.value})"
     return word
 
@@ -54,6 +55,10 @@ def _file_notes(item: TreeStatus, report: StatusReport) -> list[str]:
         if fa.state is State.APPLIED and fa.origin is Origin.BY_HAND:
             lines.append(f"  ! {fa.relpath}: patched by hand, identical to {', '.join(fa.applied)}; sm120patch has no "
                          "record of it: `apply` adopts it, `revert` restores the release's bytes")
+        elif fa.state is State.APPLIED and fa.origin is Origin.OTHER_FORM:
+            lines.append(f"  ! {fa.relpath}: written by another sm120patch, whose data has another form of "
+                         f"{', '.join(fa.applied)} than this one's (its ledger vouches for the bytes): "
+                         f"`{report.apply_command}` writes this one's form from the saved original, `revert` restores the release's bytes")
         elif fa.detail:
             lines.append(f"  ! {fa.relpath}: {fa.detail}")
     for patch_id in a.former_ids:
@@ -210,13 +215,18 @@ def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
                      "(FlashInfer builds one on first use)")
     module = item.distribution.jit_module
     incomplete = (f"incomplete (no {module}.so: a build that did not finish); the next start rebuilds it")
+    building = (f"being built now (FlashInfer's lock cached_ops/tmp/{module}.lock is held, no {module}.so yet): a "
+                "server's first start or `sm120patch build` is compiling it")
     for entry in jit.entries:
         if entry in jit.foreign:
             mark = (f"built from another environment's sources ({jit.foreign[entry]}): environments that share one JIT "
                     "cache share this entry, and a patch or revert in either one invalidates it"
-                    + (f"; {incomplete}" if entry in jit.incomplete else ""))
+                    + (f"; {building}" if entry in jit.building else
+                       f"; {incomplete}" if entry in jit.incomplete else ""))
         elif entry in jit.stale:
             mark = f"STALE: built before the last change of its sources; `{report.apply_command}` removes it"
+        elif entry in jit.building:
+            mark = building
         elif entry in jit.incomplete:
             mark = incomplete
         else:
@@ -269,6 +279,7 @@ def status_json(report: StatusReport) -> dict:
                 "foreign": {str(k): str(v) for k, v in item.jit.foreign.items()},
                 "asides": [str(e) for e in item.jit.asides],
                 "incomplete": [str(e) for e in item.jit.incomplete],
+                "building": [str(e) for e in item.jit.building],
             },
         }
         if a.patch_set:
@@ -307,7 +318,8 @@ def render_change(report: ChangeReport) -> str:
     for path in report.leftovers_removed:
         lines.append(f"removed {path}, left by an earlier run that was killed")
     for orphan in report.orphans_removed:
-        lines.append(f"removed sm120patch's state of {orphan.name} ({orphan.describe()}): that install is gone "
+        lines.append(f"{'would remove' if report.dry_run else 'removed'} sm120patch's state of {orphan.name} "
+                     f"({orphan.describe()}): that install is gone "
                      "(uninstalled, or another version now)")
     for result in report.results:
         lines += _result_lines(report, result, verb)
@@ -397,7 +409,9 @@ def change_json(report: ChangeReport) -> dict:
         "target_chosen_by": report.chosen_by or None,
         "next": list(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
-        "would_change": any(r.plan and not r.plan.empty for r in report.results) if report.dry_run else None,
+        # Whatever the run would count as a change (Ansible's check mode reports it as changed).
+        "would_change": (any(r.plan and not r.plan.empty for r in report.results) or bool(report.orphans_removed)
+                         or bool(report.jit_removed)) if report.dry_run else None,
         "recovered": None if report.recovery is None else {
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),
             "finished": report.recovery.finished},

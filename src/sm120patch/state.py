@@ -73,8 +73,15 @@ def permission_hint(path: Path, owner: Owner | None = None) -> str:
         return "run sm120patch as the user who owns it"
     if owner.uid != os.geteuid():
         return f"run sm120patch as {owner.user}, who owns it"
+    # What the owner lacks of what sm120patch needs: a file is read and replaced, a directory
+    # written in (its search bit is what lets anything in it be reached).
+    needed = (("r", stat.S_IRUSR, "read"), ("w", stat.S_IWUSR, "write"))
+    if mode is not None and stat.S_ISDIR(info.st_mode):
+        needed = (("w", stat.S_IWUSR, "write to"), ("x", stat.S_IXUSR, "enter"))
+    missing = [(bit, verb) for bit, flag, verb in needed if mode is not None and not mode & flag] or [("w", "write to")]
     shown = f" is mode {mode:04o}:" if mode is not None else ":"
-    return f"{path}{shown} its owner ({owner.user}, who runs sm120patch) may not write to it; `chmod u+w {shlex.quote(str(path))}`"
+    return (f"{path}{shown} its owner ({owner.user}, who runs sm120patch) may not {' or '.join(v for _, v in missing)} "
+            f"it; `chmod u+{''.join(b for b, _ in missing)} {shlex.quote(str(path))}`")
 
 
 def state_root(site_dir: Path) -> Path:

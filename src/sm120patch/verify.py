@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 from sm120patch import ptx, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
-from sm120patch.jitbuild import end_group
+from sm120patch.jitbuild import end_group, start_build
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
 from sm120patch.words import counted
@@ -210,10 +210,10 @@ print(json.dumps(out))
         if progress:
             progress(f"building trtllm_comm for {arch_list} with FlashInfer's JIT (minutes) ...")
         start = time.monotonic()
-        # A process group of its own, ended whole on a signal (jitbuild.end_group): a killed
-        # interpreter alone would leave FlashInfer's ninja and nvcc running.
-        proc = subprocess.Popen([str(python), "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env, cwd="/", start_new_session=True)
+        # A process group of its own, ended whole on a signal (jitbuild.end_group) or when
+        # sm120patch is killed outright: a killed interpreter alone would leave FlashInfer's
+        # ninja and nvcc running.
+        proc = start_build(python, script, [], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, stderr = proc.communicate()
         except BaseException:

@@ -102,6 +102,7 @@ def preview(report: ChangeReport, target: WriteTarget, plans: list[Plan], *, ope
     for plan in plans:
         if plan.assessment.tree in target.installed:
             changes += install_changes(plan.assessment.tree, plan, operation)
+    changes += _orphan_changes(target, report)  # named in the report: the run removes them too
     check_writable([change.path for change in changes])
 
 

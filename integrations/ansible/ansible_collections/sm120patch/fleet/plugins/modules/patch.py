@@ -14,7 +14,7 @@ description:
   - Runs C(sm120patch apply) or C(sm120patch revert) against the interpreter a server runs, so that FlashInfer's
     TRT-LLM fused allreduce (and SGLang's use of it) works on NVIDIA SM120 GPUs.
   - Idempotent. C(changed) is what sm120patch reports it changed on disk; a second run reports C(changed=false).
-  - Check mode runs C(apply --dry-run) (or reads C(status) for C(state=absent)) and changes nothing.
+  - Check mode runs C(apply --dry-run) (C(revert --dry-run) for C(state=absent)) and changes nothing; it reports changed exactly when the run would change something.
   - Diff mode returns the unified diff C(apply) makes.
   - Fails with sm120patch's one-line error and exit code when it refuses (a file that is not the release's bytes,
     a release without a pinned patch set) or fails (nothing was changed, or everything was rolled back).
@@ -71,7 +71,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 report:
-  description: The JSON document sm120patch printed (C(apply --json) or C(revert --json); in check mode the dry run or the status).
+  description: The JSON document sm120patch printed (C(apply --json) or C(revert --json); in check mode the dry run of either).
   returned: always
   type: dict
 exit_code:
@@ -165,12 +165,13 @@ def main():
 
     # absent
     if module.check_mode:
-        argv = [exe, "status", *common, "--json"]
+        # revert's own dry run: it counts what the run would change, the state a distribution
+        # uninstalled while patched left behind included (status's "applied" did not).
+        argv = [exe, "revert", *common, *force, "--dry-run", "--json"]
         rc, document, _, err = run(module, argv)
-        if document is None or "error" in document:  # --json errors are a document too
-            fail(module, argv, rc, err)
-        applied = any(p["state"] == "applied" for d in document["distributions"] for p in d["patches"])
-        module.exit_json(changed=applied, report=document, exit_code=rc)
+        if rc != 0:
+            fail(module, argv, rc, err, document)
+        module.exit_json(changed=bool(document.get("would_change")), report=document, exit_code=rc)
     argv = [exe, "revert", *common, *force, "--json"]
     rc, document, _, err = run(module, argv)
     if rc != 0:
