@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import functools
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ SITE = "/srv/venv/lib/python3.11/site-packages/"
 pytestmark = pytest.mark.wheels
 
 
+@functools.lru_cache(maxsize=64)
 def wheel_text(distribution: str, version: str, relpath: str | None) -> str:
     with zipfile.ZipFile(fetch_wheel(distribution, version)) as archive:
         if relpath is not None:
@@ -439,3 +441,158 @@ def test_truncation_and_a_100_mb_log_are_streamed(tmp_path):
 def test_a_missing_file_is_one_line_exit_2(tmp_path):
     result = run_cli("check-log", str(tmp_path / "nope.log"))
     assert result.exit_code == 2 and "no such file" in result.output and "Traceback" not in result.output
+
+
+# -- the logs operators have (issue #54): collectors' prefixes x releases x outcomes, restarts ------
+
+NCCL_ABORT = ("[rank1]:[E1128 10:03:41.123456 4242 ProcessGroupNCCL.cpp:1896] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+              "Process group watchdog thread terminated with exception: CUDA error: an illegal memory access was "
+              "encountered")
+DIED_OUTSIDE = [NCCL_ABORT + "\n",
+                "terminate called after throwing an instance of 'c10::DistBackendError'\n",
+                "Fatal Python error: Aborted\n"]
+
+
+def collected(collector: str, text: str) -> str:
+    """``text`` as a collector writes it: journald's short format, docker/kubectl's RFC 3339 time,
+    RFC 5424 syslog, or as it is (a plain file, ``journalctl -o cat``)."""
+    prefix = {"plain": "", "journal-cat": "",
+              "journal-short": "Nov 28 10:03:41 gpu-host sglang[4242]: ",
+              "docker": "2026-11-28T10:03:41.123456789Z ",
+              "kubectl": "2026-11-28T10:03:41.123456789+00:00 ",
+              "syslog": "<14>1 2026-11-28T10:03:41.123Z gpu-host server 4242 - - "}[collector]
+    return "".join(prefix + line + "\n" for line in text.splitlines())
+
+
+def sglang_run(version: str, outcome: str) -> str:
+    fragment, names = FUSED[version]
+    text = sglang_settings(version, 2, True)
+    fused = "".join(sglang_line(version, f" TP{r}", logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                         fragment, rank=r, world_size=2, **names)) for r in (0, 1))
+    ready = sglang_line(version, "", "The server is fired up and ready to roll!")
+    if outcome == "fused":
+        return text + fused + ready
+    if outcome == "died":
+        return text + fused + ready + sglang_line(version, " TP1", "Prefill batch. #new-seq: 1") + "".join(DIED_OUTSIDE)
+    if outcome == "crashed":
+        return text + sglang_line(version, " TP0", logged("sglang", version, "sglang/srt/managers/scheduler.py",
+                                                         "Scheduler hit an exception",
+                                                         traceback=flashinfer_unpatched_traceback()))
+    raise AssertionError(outcome)
+
+
+def vllm_run(version: str, outcome: str) -> str:
+    text = vllm_settings(version, 2, True)
+    fused = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm")) for r in (0, 1))
+    ready = vllm_line(version, "APIServer", "api_server.py",
+                      logged("vllm", version, "vllm/entrypoints/openai/api_server.py" if version == "0.19.0"
+                             else "vllm/entrypoints/launchers/api_server/entry.py", "Starting vLLM server on ",
+                             listen_address="http://0.0.0.0:8000"))
+    if outcome == "fused":
+        return text + fused + ready
+    if outcome == "died":
+        return text + fused + ready + "".join(f"(Worker_TP1 pid=4242) {line}" for line in DIED_OUTSIDE)
+    if outcome == "crashed":
+        return text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                                logged("vllm", version, "vllm/v1/executor/multiproc_executor.py",
+                                       "WorkerProc failed to start.") + "\n" + flashinfer_unpatched_traceback(), "ERROR")
+    raise AssertionError(outcome)
+
+
+RUNS = {"sglang": ("0.5.9", sglang_run), "vllm": ("0.29.0", vllm_run)}
+EXPECT = {"fused": (0, "fused"), "died": (1, "crashed"), "crashed": (1, "crashed")}
+
+
+@pytest.mark.parametrize("collector", ["plain", "journal-cat", "journal-short", "docker", "kubectl", "syslog"])
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+@pytest.mark.parametrize("outcome", ["fused", "died", "after-a-crash"])
+def test_collectors_releases_and_outcomes(tmp_path, collector, server, outcome):
+    """Each collector's prefix, each server, and: fused; fused then dead outside Python (the NCCL
+    watchdog's abort); a crashed run, then a restart (``>>``, systemd's append:) that fused."""
+    version, run = RUNS[server]
+    if outcome == "after-a-crash":
+        first = run(version, "crashed")
+        text, expect = first + run(version, "fused"), (0, "fused")
+    else:
+        text, expect = run(version, outcome), EXPECT[outcome]
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    code, doc = check(tmp_path, collected(collector, text), *args)
+    assert (code, doc["verdict"]) == expect, doc
+    assert doc["server"] == server and doc["version"] == version
+    if outcome == "fused":
+        assert doc["final"] and sorted(r["verdict"] for r in doc["ranks"]) == ["fused", "fused"], doc
+    if outcome == "died":
+        assert doc["summary"].startswith("died outside Python") and "watchdog" in doc["summary"], doc
+        assert "fusion had started" in doc["summary"] and "sm120patch verify" in doc["fix"], doc
+    if outcome == "after-a-crash":
+        assert (doc["run"], doc["runs"]) == (2, 2) and doc["run_line"] == len(first.splitlines()) + 1, doc
+        assert any("2 runs" in n for n in doc["notes"])
+
+
+def test_the_readme_example_runs_as_printed_and_the_wrong_server_says_so(tmp_path):
+    code, doc = check(tmp_path, sglang_run("0.5.9", "fused"), "--version", "0.5.9")  # README: no --server
+    assert code == 0 and doc["verdict"] == "fused" and doc["server"] == "sglang", doc
+    log = tmp_path / "vllm.log"
+    log.write_text(vllm_run("0.29.0", "fused"))
+    for follow in ((), ("--follow", "--timeout", "60")):
+        started = time.monotonic()
+        result = run_cli("check-log", str(log), "--server", "sglang", *follow)
+        assert result.exit_code == 2 and "vLLM's log format" in result.output and "--server vllm" in result.output
+        assert "Traceback" not in result.output and time.monotonic() - started < 30
+
+
+def test_seven_of_eight_names_the_failing_rank_and_out_of_memory_is_not_a_patch(tmp_path):
+    version = "0.5.14"
+    text = sglang_settings(version, 8, True)
+    echo = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py", "disabled globally because ")
+    cause = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                   "Disabling flashinfer allreduce fusion permanently.", backend="trtllm",
+                   e="CUDA out of memory. Tried to allocate 1.50 GiB. GPU 5 has a total capacity of 94.97 GiB")
+    text += "".join(sglang_line(version, f" TP{r}", echo) for r in (0, 1, 2, 3, 4, 6, 7))
+    text += sglang_line(version, " TP5", cause)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and "on TP5" in doc["summary"], doc
+    assert "unicast" not in doc["fix"] and "mem-fraction-static" in doc["fix"], doc
+
+
+def test_a_fragment_says_what_its_lines_support(tmp_path):
+    """vLLM 0.29 on its way to fusing, the version line rotated away: the mnnvl warning means a
+    fall-back only before 0.25, so it is not counted."""
+    version = "0.29.0"
+    warn = vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                     logged("vllm", version, VLLM_FI, "This is expected on GPUs without NVSwitch",
+                            e="[SymmDeviceMemory] Device does not support multicasting."), "WARNING")
+    fused = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm")) for r in (0, 1))
+    code, doc = check(tmp_path, warn + fused)
+    assert doc["verdict"] == "fused" and code == 0 and not doc["final"], doc
+    assert any(n.startswith("not counted:") and "--version tells" in n for n in doc["notes"]), doc
+
+
+def test_workspace_lines_that_are_not_fusion(tmp_path):
+    # vLLM 0.29: the same workspace for plain allreduces, the pass not asked for.
+    version = "0.29.0"
+    plain = vllm_run(version, "fused").replace("'fuse_allreduce_rms': True", "'custom_ops': ['none']")
+    code, doc = check(tmp_path, plain)
+    assert code == 1 and doc["verdict"] == "not-requested", doc
+    assert any("plain allreduces" in n for n in doc["notes"]), doc
+    # SGLang with DP attention: the workspace, and a predicate that never fuses.
+    dp = sglang_run("0.5.9", "fused").replace("enable_flashinfer_allreduce_fusion=True",
+                                              "enable_flashinfer_allreduce_fusion=True, enable_dp_attention=True")
+    code, doc = check(tmp_path, dp, "--server", "sglang", "--version", "0.5.9")
+    assert code == 1 and doc["verdict"] == "not-requested" and "DP attention" in doc["fix"], doc
+
+
+def test_a_lazy_workspace_is_not_known_until_the_first_request(tmp_path):
+    version = "0.5.9"
+    text = sglang_settings(version, 2, True).replace("enable_flashinfer_allreduce_fusion=True",
+                                                     "enable_flashinfer_allreduce_fusion=True, disable_cuda_graph=True")
+    text += sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 5 and doc["verdict"] == "starting" and "first request" in doc["summary"], doc
+    served = text + sglang_line(version, " TP0", "Prefill batch. #new-seq: 1, #new-token: 12")
+    code, doc = check(tmp_path, served, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "server-gates", doc

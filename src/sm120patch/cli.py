@@ -81,6 +81,8 @@ def handle(exc: BaseException) -> int:
         if committed:  # a signal after the write (during a build): the change it made stands
             click.echo(f"sm120patch: interrupted ({signals.name(signum)}) after the {committed} was committed: that "
                        "change stands (`sm120patch status` shows it); what came after it did not finish", err=True)
+        elif signals.STATE.reading:
+            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); this command changes nothing", err=True)
         else:
             click.echo(f"sm120patch: interrupted ({signals.name(signum)}); any change in progress was rolled back",
                        err=True)
@@ -528,7 +530,9 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
                            [(0, "fused: FlashInfer's workspace was created on every rank"),
                             (1, "fell back to unfused allreduce, not requested, or crashed (it says which, the "
                                 "chain step and the fix)"),
-                            (2, "bad input: an option, a missing file (without --follow), a --python without the server"),
+                            (2, "bad input: an option, a missing file (without --follow), a --python without the server, "
+                                "a device or binary data instead of a log, standard input closed, a log of the other "
+                                "server than --server"),
                             (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
                             (4, "the log could not be read"),
                             (5, "no verdict yet: still starting (with --follow: the timeout passed first)"),
@@ -542,7 +546,8 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
 @click.option("--follow", is_flag=True, help="Keep reading the growing file (like tail -F: rotation and truncation "
               "too) until the first final verdict or --timeout.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
-              help="With --follow: give up after this long (exit 5).")
+              help="With --follow, or reading a pipe or FIFO: give up after this long (exit 5, the verdict of "
+                   "what was read).")
 @json_option
 def check_log(log, server, server_version, python, follow, timeout, as_json):
     """Say from a server's own log lines whether SGLang or vLLM really fused (which backend, the
@@ -552,6 +557,7 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
     patches/<server>/logs.toml."""
     from sm120patch import logcheck, render
 
+    signals.STATE.reading = True
     report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout))
     return show(report, as_json, render.render_log_check, render.log_check_json)
 

@@ -101,8 +101,8 @@ class Analysis:
         proc, body, _ = self.runs.process(text)
         if self.runs.traceback(proc, body):
             self.changed = True
-        if rows and self.version is None:
-            self._note_ambiguous(rows, body)
+        if rows and self.version is None and self._ambiguous(rows, body):
+            rows = [(row, m) for row, m in rows if row.kind != "fell-back"]
         for row, match in rows:
             proc.add(row, body, match if match is not True else None)
             self.changed = True
@@ -120,13 +120,16 @@ class Analysis:
         return self.version is None or not logs.covers(self.version) or row.versions.contains(
             self.version, prereleases=True)
 
-    def _note_ambiguous(self, rows, body: str) -> None:
-        """A line that means different things in different releases, the release not known: say
-        so, and count it as none of them (the lines say no more)."""
+    def _ambiguous(self, rows, body: str) -> bool:
+        """A line that is a fall-back in some releases and not in others, the release not known:
+        say so, and do not count it as one (the lines say no more)."""
         kinds = {row.kind for row, _ in rows}
-        if len(kinds) > 1 and {"fell-back", "note"} & kinds and len(self.ambiguous) < MAX_SEEN:
+        if "fell-back" not in kinds or len(kinds) == 1:
+            return False
+        if len(self.ambiguous) < MAX_SEEN:
             meanings = "; ".join(f"{row.kind} in {self.server} {row.versions}" for row, _ in rows)
             self.ambiguous.append(f"{body} (means {meanings}: --version tells which)")
+        return True
 
     def idle(self) -> None:
         if self.runs is not None:
@@ -240,7 +243,7 @@ class Analysis:
 
         fused, plain = {}, {}
         for key, proc, row, body, match in self._events("fused"):
-            (plain if row.unless_requested and not requested else fused)[key] = (row, body, match)
+            (plain if row.only_if_requested and not requested else fused)[key] = (row, body, match)
         if plain and not fused:
             said = ("the settings line does not ask for fusion" if requested is False
                     else "the settings line is not in this log, so it cannot tell")

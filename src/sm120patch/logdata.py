@@ -48,7 +48,7 @@ class LogLine(NamedTuple):
     echo: bool = False  # repeats another rank's failure: the verdict names the rank with the cause
     printed_by: str | None = None  # not in any wheel's Python (C++, the kernel, the shell): who prints it
     frames: str | None = None  # a signature: a fragment of a traceback frame's file it needs
-    unless_requested: bool = False  # a fused line that means fusion only where fusion was asked for
+    only_if_requested: bool = False  # a fused line that means fusion only where fusion was asked for
 
     def match(self, text: str) -> re.Match | bool:
         if not all(fragment in text for fragment in self.message):
@@ -111,8 +111,8 @@ def _regex(value, where: str) -> re.Pattern:
 
 
 LINE_KEYS = {"versions", "kind", "message", "pattern", "step", "fix", "backend", "stage", "source",
-             "source_versions", "file", "starts_run", "echo", "printed_by", "frames", "unless_requested"}
-FLAGS = ("starts_run", "echo", "unless_requested")
+             "source_versions", "file", "starts_run", "echo", "printed_by", "frames", "only_if_requested"}
+FLAGS = ("starts_run", "echo", "only_if_requested")
 
 
 def _line(raw: dict, lwhere: str, default_versions: str | None) -> LogLine:
@@ -150,7 +150,7 @@ def _line(raw: dict, lwhere: str, default_versions: str | None) -> LogLine:
                    raw.get("backend"), raw.get("stage"), raw.get("source"),
                    specifier(raw.get("source_versions", ""), lwhere), raw.get("file"),
                    raw.get("starts_run", False), raw.get("echo", False), raw.get("printed_by"), raw.get("frames"),
-                   raw.get("unless_requested", False))
+                   raw.get("only_if_requested", False))
 
 
 def parse_common(path: Path) -> tuple[tuple[LogLine, ...], tuple[Cause, ...]]:
