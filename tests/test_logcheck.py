@@ -11,6 +11,9 @@ import json
 import functools
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -596,3 +599,102 @@ def test_a_lazy_workspace_is_not_known_until_the_first_request(tmp_path):
     served = text + sglang_line(version, " TP0", "Prefill batch. #new-seq: 1, #new-token: 12")
     code, doc = check(tmp_path, served, "--server", "sglang", "--version", version)
     assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "server-gates", doc
+
+
+# -- sources that are not plain files (issue #53 item 1) ----------------------------------------------
+
+def sm120patch(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sm120patch", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def test_follow_on_a_fifo_whose_writer_stays_answers_before_the_timeout(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def write():
+        with open(fifo, "w") as f:
+            f.write(sglang_run("0.5.9", "fused"))
+            f.flush()
+            done.wait(60)  # the writer keeps the FIFO open, as `<(cat log; sleep 25)` does
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        started = time.monotonic()
+        result = sm120patch("check-log", str(fifo), "--follow", "--timeout", "30", "--server", "sglang",
+                            "--version", "0.5.9")
+        assert result.returncode == 0 and "fused" in result.stdout, result
+        assert time.monotonic() - started < 25
+    finally:
+        done.set()
+        writer.join()
+
+
+def test_a_fifo_without_a_writer_ends_at_the_timeout_and_a_closed_one_is_read(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    result = sm120patch("check-log", str(fifo), "--timeout", "2", "--server", "sglang")
+    assert result.returncode == 5 and "timeout passed" in result.stdout and time.monotonic() - started < 30, result
+    writer = threading.Thread(target=lambda: fifo.write_text(sglang_run("0.5.9", "fused")))
+    writer.start()
+    result = sm120patch("check-log", str(fifo), "--follow", "--timeout", "30", "--version", "0.5.9")
+    writer.join()
+    assert result.returncode == 0 and "Illegal seek" not in result.stderr, result
+
+
+@pytest.mark.parametrize("how", ["path", "stdin", "pipe"])
+def test_an_endless_source_is_refused_in_bounded_time(how):
+    if how == "path":
+        result = sm120patch("check-log", "/dev/zero")
+    elif how == "stdin":
+        with open("/dev/zero", "rb") as zero:
+            result = sm120patch("check-log", "-", stdin=zero)
+    else:
+        result = subprocess.run(f"cat /dev/urandom | {sys.executable} -m sm120patch check-log -", shell=True,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("sm120patch: error: "), result
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+
+
+def test_standard_input_closed_is_one_line_exit_2():
+    result = subprocess.run(f"{sys.executable} -m sm120patch check-log - <&-", shell=True, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "standard input is closed" in result.stderr, result
+    assert "Traceback" not in result.stderr
+
+
+def test_memory_stays_bounded_whatever_the_number_of_tracebacks(tmp_path):
+    """A run of 50 000 tracebacks (each a scheduler's crash line, as 0.5.9 writes it) is read in
+    about the memory of a short log: only what the verdict needs is kept."""
+    one = sglang_run("0.5.9", "crashed").split("\n", 1)[1]
+    log = tmp_path / "many.log"
+    with log.open("w") as f:
+        f.write(sglang_settings("0.5.9", 2, True))
+        for _ in range(50_000):
+            f.write(one)
+    small = tmp_path / "small.log"
+    small.write_text(sglang_settings("0.5.9", 2, True) + one)
+    probe = ("import resource, sys; from click.testing import CliRunner; from sm120patch.cli import cli; "
+             "r = CliRunner().invoke(cli, ['check-log', sys.argv[1], '--server', 'sglang', '--version', '0.5.9']); "
+             "print(r.exit_code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    used = {}
+    for name, path in (("small", small), ("many", log)):
+        out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+        code, kib = out.stdout.split()
+        assert code == "1", out
+        used[name] = int(kib)
+    assert used["many"] - used["small"] < 10 << 10, (used, log.stat().st_size)  # KiB (before: +27 MiB)
+
+
+def test_an_interrupted_check_log_does_not_claim_a_rollback(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "sm120patch", "check-log", str(fifo), "--timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "rolled back" not in err and "changes nothing" in err, err
