@@ -527,15 +527,15 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
                             "sm120patch check-log server.log --python ~/ml-env/bin/python3",
                             "sm120patch check-log /var/log/vllm.log --follow --timeout 900 --json",
                             "journalctl -u sglang -o cat | sm120patch check-log - --server sglang"],
-                           [(0, "fused: FlashInfer's workspace was created on every rank"),
-                            (1, "fell back to unfused allreduce, not requested, or crashed (it says which, the "
-                                "chain step and the fix)"),
+                           [(0, "fused: FlashInfer's workspace was created on every rank (the newest run of the log)"),
+                            (1, "fell back to unfused allreduce, not requested, crashed or died outside Python (it "
+                                "says which, the chain step and the fix)"),
                             (2, "bad input: an option, a missing file (without --follow), a --python without the server, "
                                 "a device or binary data instead of a log, standard input closed, a log of the other "
                                 "server than --server"),
                             (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
                             (4, "the log could not be read"),
-                            (5, "no verdict yet: still starting (with --follow: the timeout passed first)"),
+                            (5, "no verdict yet: still starting (with --follow, or on a pipe: the timeout passed first)"),
                             INTERRUPTED_READING]))
 @click.argument("log", metavar="FILE|-")
 @click.option("--server", type=click.Choice(["sglang", "vllm"]), default=None,
