@@ -698,3 +698,34 @@ def test_an_interrupted_check_log_does_not_claim_a_rollback(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "rolled back" not in err and "changes nothing" in err, err
+
+
+def flashinfer_sm100_only_traceback() -> str:
+    """FlashInfer 0.6.4's own CompilationContext on an SM120 GPU, asked as jit/fused_moe.py asks it
+    for its SM100-only MoE kernels."""
+    def call(cls):
+        ctx = cls.__new__(cls)
+        ctx.TARGET_CUDA_ARCHS = {(12, "0a")}
+        ctx.COMMON_NVCC_FLAGS = []
+        return ctx.get_nvcc_flags_list(supported_major_versions=[10])
+    return raised_by("flashinfer-python", "0.6.4", "flashinfer/compilation_context.py", "CompilationContext", call,
+                     os=os, logger=logging.getLogger("x"), torch=None)
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_another_flashinfer_modules_arch_error_is_not_blamed_on_trtllm_comm(tmp_path, server):
+    version, _ = RUNS[server]
+    tb = flashinfer_sm100_only_traceback()
+    if server == "sglang":
+        text = sglang_settings(version, 2, True) + sglang_line(version, " TP0", logged(
+            "sglang", version, "sglang/srt/managers/scheduler.py", "Scheduler hit an exception", traceback=tb))
+        args = ("--server", "sglang", "--version", version)
+    else:
+        text = vllm_settings(version, 2, True) + vllm_line(version, "Worker_TP1", "multiproc_executor.py", logged(
+            "vllm", version, "vllm/v1/executor/multiproc_executor.py", "WorkerProc failed to start.") + "\n" + tb,
+            "ERROR")
+        args = ()
+    code, doc = check(tmp_path, text, *args)
+    assert code == 1 and doc["verdict"] == "crashed" and "major versions [10]" in doc["crash"]["exception"], doc
+    assert doc["step"] == "device" and "apply --flashinfer" not in doc["fix"], doc
+    assert ("--moe-runner-backend" if server == "sglang" else "--moe-backend") in doc["fix"]

@@ -334,7 +334,7 @@ class Analysis:
             for tb in proc.tracebacks:
                 for exc in tb.exceptions:
                     for row in signatures:
-                        if row.match(exc) and (row.frames is None or any(row.frames in f for f in tb.files)):
+                        if row.match(exc):
                             return row, tb, exc
             return None
 

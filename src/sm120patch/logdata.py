@@ -47,7 +47,6 @@ class LogLine(NamedTuple):
     starts_run: bool = False  # a new start of the server: an earlier run in the same file is over
     echo: bool = False  # repeats another rank's failure: the verdict names the rank with the cause
     printed_by: str | None = None  # not in any wheel's Python (C++, the kernel, the shell): who prints it
-    frames: str | None = None  # a signature: a fragment of a traceback frame's file it needs
     only_if_requested: bool = False  # a fused line that means fusion only where fusion was asked for
 
     def match(self, text: str) -> re.Match | bool:
@@ -111,7 +110,7 @@ def _regex(value, where: str) -> re.Pattern:
 
 
 LINE_KEYS = {"versions", "kind", "message", "pattern", "step", "fix", "backend", "stage", "source",
-             "source_versions", "file", "starts_run", "echo", "printed_by", "frames", "only_if_requested"}
+             "source_versions", "file", "starts_run", "echo", "printed_by", "only_if_requested"}
 FLAGS = ("starts_run", "echo", "only_if_requested")
 
 
@@ -142,14 +141,13 @@ def _line(raw: dict, lwhere: str, default_versions: str | None) -> LogLine:
     for flag in FLAGS:
         if not isinstance(raw.get(flag, False), bool):
             raise PatchDataError(f"{lwhere}: {flag} is true or false")
-    for text in ("printed_by", "frames"):
-        if text in raw and not isinstance(raw[text], str):
-            raise PatchDataError(f"{lwhere}: {text} is a string")
+    if "printed_by" in raw and not isinstance(raw["printed_by"], str):
+        raise PatchDataError(f"{lwhere}: printed_by is a string")
     versions = raw.get("versions", default_versions)
     return LogLine(specifier(versions, lwhere), kind, tuple(message), pattern, raw.get("step"), raw.get("fix"),
                    raw.get("backend"), raw.get("stage"), raw.get("source"),
                    specifier(raw.get("source_versions", ""), lwhere), raw.get("file"),
-                   raw.get("starts_run", False), raw.get("echo", False), raw.get("printed_by"), raw.get("frames"),
+                   raw.get("starts_run", False), raw.get("echo", False), raw.get("printed_by"),
                    raw.get("only_if_requested", False))
 
 

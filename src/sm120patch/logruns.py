@@ -23,7 +23,6 @@ FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func
 TRACEBACK = "Traceback (most recent call last):"
 MAIN = "main"  # the lines of no rank: SGLang's main process, vLLM's API server and engine core
 MAX_EVENTS = 64
-MAX_FRAMES = 8  # the last frames' files of a traceback (the module that failed is among them)
 ENDS_RUN = ("ready", "crashed", "died")
 
 
@@ -32,7 +31,6 @@ class Traceback:
     active: bool = True
     frame: str | None = None
     frame_file: str | None = None
-    files: list = field(default_factory=list)  # the last MAX_FRAMES frames' files
     exceptions: list = field(default_factory=list)
 
 
@@ -132,7 +130,6 @@ class Runs:
         if frame is not None:
             tb.frame = body.strip()
             tb.frame_file = frame["file"]
-            tb.files = [*tb.files[-(MAX_FRAMES - 1):], frame["file"]]
             return False
         if body[:1].isspace() or not body.strip() or tb.frame is None:
             return False  # the source line under a frame, a caret line
