@@ -729,3 +729,17 @@ def test_another_flashinfer_modules_arch_error_is_not_blamed_on_trtllm_comm(tmp_
     assert code == 1 and doc["verdict"] == "crashed" and "major versions [10]" in doc["crash"]["exception"], doc
     assert doc["step"] == "device" and "apply --flashinfer" not in doc["fix"], doc
     assert ("--moe-runner-backend" if server == "sglang" else "--moe-backend") in doc["fix"]
+
+
+def test_runs_are_told_by_who_prints_the_start_line(tmp_path):
+    """vLLM's engine cores under data parallelism each print the start line: one run. SGLang's
+    main process printing its settings again without a word from a rank is a restart."""
+    version = "0.29.0"
+    first, rest = vllm_run(version, "fused").split("\n", 1)
+    dp = f"{first}\n{first.replace('EngineCore_DP0', 'EngineCore_DP1')}\n{rest}"
+    code, doc = check(tmp_path, dp)
+    assert code == 0 and doc["verdict"] == "fused" and doc["runs"] == 1, doc
+    version = "0.5.9"
+    off = sglang_settings(version, 2, False) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, off + sglang_run(version, "fused"), "--version", version)
+    assert code == 0 and doc["verdict"] == "fused" and (doc["run"], doc["runs"], doc["run_line"]) == (2, 2, 3), doc

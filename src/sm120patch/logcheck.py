@@ -93,12 +93,13 @@ class Analysis:
         rows = []
         if logs.firsts.search(text) is not None:
             rows = [(row, m) for row in logs.lines if self._may_apply(row) and (m := row.match(text))]
+        proc, body, _ = self.runs.process(text)
         for row, _ in rows:
-            if self.runs.start(row, self.lines):
+            if self.runs.start(row, self.lines, proc):
+                proc, body, _ = self.runs.process(text)
                 self.version, self.version_from = self.given
                 self.ambiguous = []
                 self.changed = True
-        proc, body, _ = self.runs.process(text)
         if self.runs.traceback(proc, body):
             self.changed = True
         if rows and self.version is None and self._ambiguous(rows, body):

@@ -2,9 +2,10 @@
 
 One file often holds several runs (systemd's ``append:``, ``>>``, a log kept across restarts):
 the crashed or fell-back run before a patch, then the run after it. A run starts at a line its
-release prints once per start (``starts_run`` in logs.toml) when the run being read has printed
-that line already, or is over (ready, crashed, died); the newest run decides the verdict, and
-what came before it is dropped, so memory stays that of one run.
+release prints once per start (``starts_run`` in logs.toml) when the process that prints it has
+printed it already in the run being read, or that run is over (ready, crashed, died); the
+newest run decides the verdict, and what came before it is dropped, so memory stays that of one
+run.
 
 Within a run each line is sorted to the process that wrote it (the rank or worker prefix of the
 server's format; a header-less line, a traceback's, to the record above it), and each process
@@ -62,7 +63,7 @@ class Run:
     number: int
     first_line: int
     processes: dict = field(default_factory=dict)
-    starts: set = field(default_factory=set)  # the starts_run rows it has printed (their ids)
+    starts: set = field(default_factory=set)  # (id of a starts_run row, the process label that printed it)
     over: bool = False  # ready, crashed or died: another start is a new run
 
 
@@ -76,16 +77,19 @@ class Runs:
         self.count = 1
         self.last_key = MAIN
 
-    def start(self, row: LogLine, line_number: int) -> bool:
-        """Whether ``row`` begins a new run here (the caller then resets what it learnt)."""
+    def start(self, row: LogLine, line_number: int, proc: Process) -> bool:
+        """Whether ``row``, printed by ``proc``, begins a new run here (the caller then sorts the
+        line again and resets what it learnt). The same start line from another process (vLLM's
+        engine cores under data parallelism) is the same run."""
         run = self.run
         if not row.starts_run:
             return False
-        if not run.processes or (id(row) not in run.starts and not run.over):
-            run.starts.add(id(row))
+        marker = (id(row), proc.label)
+        if marker not in run.starts and not run.over:
+            run.starts.add(marker)
             return False
         self.count += 1
-        self.run = Run(self.count, line_number, starts={id(row)})
+        self.run = Run(self.count, line_number, starts={marker})
         self.last_key = MAIN
         return True
 
