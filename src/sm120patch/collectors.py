@@ -26,10 +26,15 @@ PREFIX = re.compile(
     r")")
 
 
+_SERVERS_OWN = set("[( \t")  # SGLang's "[", vLLM's "(Worker...", a traceback's indent
+
+
 def strip(text: str) -> str:
     """The server's own line: colours and a collector's prefix taken off."""
     if "\x1b" in text:
         text = ANSI.sub("", text)
+    if text[:1] in _SERVERS_OWN:  # the servers' own first characters: no collector's prefix
+        return text
     match = PREFIX.match(text)
     return text[match.end():] if match else text
 

@@ -115,8 +115,9 @@ class Runs:
         proc = self.run.processes.get(key)
         if proc is None:
             proc = self.run.processes[key] = Process(label or MAIN)
-        proc.label = label or MAIN
-        if key != MAIN and logs.rank.search(proc.label):
+        if label and label != proc.label:  # vLLM renames a worker once its ranks are known
+            proc.label = label
+        if not proc.is_rank and key != MAIN and logs.rank.search(proc.label):
             proc.is_rank = True
         return proc, body, header is not None
 

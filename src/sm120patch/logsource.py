@@ -70,7 +70,7 @@ def _stream(handle, name: str) -> Iterator[str]:
             raw = handle.readline(MAX_LINE)
             if not raw:
                 return
-            yield lines.text(raw, cut=not raw.endswith(b"\n") and len(raw) == MAX_LINE)
+            yield lines.text(raw, cut=len(raw) == MAX_LINE and not raw.endswith(b"\n"))
 
 
 def _pipe(fd: int, name: str, deadline: float | None) -> Iterator[str | None]:
