@@ -477,6 +477,14 @@ def sglang_run(version: str, outcome: str) -> str:
         return text + fused + ready
     if outcome == "died":
         return text + fused + ready + sglang_line(version, " TP1", "Prefill batch. #new-seq: 1") + "".join(DIED_OUTSIDE)
+    if outcome == "fell-back":  # as released on SM120: ready, and no rank made the workspace
+        return text + ready
+    if outcome == "starting":
+        return text + sglang_line(version, " TP1", logged("sglang", version, "sglang/srt/model_executor/model_runner.py",
+                                                         "Load weight begin", get_available_gpu_memory=lambda *a: 90.0,
+                                                         device="cuda", gpu_id=1))
+    if outcome == "not-requested":
+        return sglang_settings(version, 2, False) + ready
     if outcome == "crashed":
         return text + sglang_line(version, " TP0", logged("sglang", version, "sglang/srt/managers/scheduler.py",
                                                          "Scheduler hit an exception",
@@ -497,6 +505,16 @@ def vllm_run(version: str, outcome: str) -> str:
         return text + fused + ready
     if outcome == "died":
         return text + fused + ready + "".join(f"(Worker_TP1 pid=4242) {line}" for line in DIED_OUTSIDE)
+    if outcome == "fell-back":
+        return text + vllm_line(version, "Worker_TP0", "allreduce_rms_fusion.py",
+                                logged("vllm", version, VLLM_PASS, "is not supported for world size", tp_size=2),
+                                "WARNING") + ready
+    if outcome == "starting":
+        return text + vllm_line(version, "Worker_TP0", "backends.py",
+                                logged("vllm", version, "vllm/compilation/backends.py",
+                                       "Compiling a graph for compile range ", compile_range="(1, 8192)", elapsed=3.2))
+    if outcome == "not-requested":
+        return vllm_settings(version, 2, False) + ready
     if outcome == "crashed":
         return text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
                                 logged("vllm", version, "vllm/v1/executor/multiproc_executor.py",
@@ -505,15 +523,19 @@ def vllm_run(version: str, outcome: str) -> str:
 
 
 RUNS = {"sglang": ("0.5.9", sglang_run), "vllm": ("0.29.0", vllm_run)}
-EXPECT = {"fused": (0, "fused"), "died": (1, "crashed"), "crashed": (1, "crashed")}
+EXPECT = {"fused": (0, "fused"), "died": (1, "crashed"), "crashed": (1, "crashed"), "fell-back": (1, "fell-back"),
+          "starting": (5, "starting"), "not-requested": (1, "not-requested")}
 
 
 @pytest.mark.parametrize("collector", ["plain", "journal-cat", "journal-short", "docker", "kubectl", "syslog"])
 @pytest.mark.parametrize("server", ["sglang", "vllm"])
-@pytest.mark.parametrize("outcome", ["fused", "died", "after-a-crash"])
+@pytest.mark.parametrize("outcome", ["fused", "died", "crashed", "fell-back", "starting", "not-requested",
+                                     "after-a-crash"])
 def test_collectors_releases_and_outcomes(tmp_path, collector, server, outcome):
     """Each collector's prefix, each server, and: fused; fused then dead outside Python (the NCCL
-    watchdog's abort); a crashed run, then a restart (``>>``, systemd's append:) that fused."""
+    watchdog's abort); crashed in Python; fell back; starting; not requested; a crashed run, then a
+    restart (``>>``, systemd's append:) that fused. (Ready before the first request:
+    test_a_lazy_workspace_is_not_known_until_the_first_request.)"""
     version, run = RUNS[server]
     if outcome == "after-a-crash":
         first = run(version, "crashed")
