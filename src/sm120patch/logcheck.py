@@ -60,10 +60,7 @@ class Analysis:
 
     def _format_of(self, text: str) -> str | None:
         for name, logs in self.data.items():
-            body = text
-            if logs.process is not None and (match := logs.process.match(body)):
-                return name
-            if logs.header.match(body):
+            if (logs.process is not None and logs.process.match(text)) or logs.header.match(text):
                 return name
         return None
 
@@ -82,12 +79,10 @@ class Analysis:
             if found is None:
                 return
             if self.server is not None and found != self.server:
-                other = self.data[found]
-                if other.server != self.server:
-                    raise UsageError(
-                        f"line {self.lines} is in {NAMES[found]}'s log format, and no line before it in "
-                        f"{NAMES[self.server]}'s: this is not a log of --server {self.server}",
-                        hint=f"drop --server, or give --server {found}")
+                raise UsageError(
+                    f"line {self.lines} is in {NAMES[found]}'s log format, and no line before it in "
+                    f"{NAMES[self.server]}'s: this is not a log of --server {self.server}",
+                    hint=f"drop --server, or give --server {found}")
             self._begin(found)
         logs = self.logs
         rows = []
