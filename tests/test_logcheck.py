@@ -765,3 +765,34 @@ def test_runs_are_told_by_who_prints_the_start_line(tmp_path):
     off = sglang_settings(version, 2, False) + sglang_line(version, "", "The server is fired up and ready to roll!")
     code, doc = check(tmp_path, off + sglang_run(version, "fused"), "--version", version)
     assert code == 0 and doc["verdict"] == "fused" and (doc["run"], doc["runs"], doc["run_line"]) == (2, 2, 3), doc
+    text = run_cli("check-log", str(tmp_path / "server.log"), "--version", version).output
+    assert "run 2 of 2 (from line 3): the newest run decides" in text
+
+
+@pytest.mark.parametrize("line, printed_by", [
+    (NCCL_ABORT, "libtorch"),
+    ("terminate called after throwing an instance of 'c10::DistBackendError'", "libstdc++"),
+    ("Fatal Python error: Segmentation fault", "CPython"),
+    ("/usr/local/bin/serve.sh: line 12:  4242 Killed                  python3 -m sglang.launch_server", "the shell"),
+    ("Segmentation fault (core dumped)", "the shell"),
+    ("*** SIGSEGV received at time=1732788221 on cpu 3 ***", "a native failure-signal handler"),
+    ("sglang.service: Main process exited, code=killed, status=9/KILL", "systemd"),
+    ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "torch.distributed.elastic"),
+    ("launcher", None),
+])
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_each_death_outside_python_after_a_fused_start(tmp_path, server, line, printed_by):
+    version, run = RUNS[server]
+    if line == "launcher":  # the server's own report of a child gone, from its wheel
+        line = (sglang_line(version, "", logged("sglang", version, "sglang/srt/entrypoints/engine.py",
+                                                "Scheduler or DataParallelController ",
+                                                proc=types.SimpleNamespace(pid=4242, exitcode=-9)))
+                if server == "sglang" else
+                vllm_line(version, None, "multiproc_executor.py", logged(
+                    "vllm", version, "vllm/v1/executor/multiproc_executor.py", "Worker proc ",
+                    proc=types.SimpleNamespace(name="VllmWorker-1", exitcode=-9)), "ERROR")).rstrip("\n")
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    code, doc = check(tmp_path, run(version, "fused") + line + "\n", *args)
+    assert code == 1 and doc["verdict"] == "crashed" and doc["summary"].startswith("died outside Python"), doc
+    assert "fusion had started" in doc["summary"] and doc["fix"], doc
+    assert (doc["crash"]["printed_by"] or "").startswith(printed_by) if printed_by else doc["crash"]["printed_by"] is None
