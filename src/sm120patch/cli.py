@@ -546,8 +546,8 @@ def bench(python, tp, tokens, hidden, dtype, strategy, check_only, jit_cache_bas
 @click.option("--follow", is_flag=True, help="Keep reading the growing file (like tail -F: rotation and truncation "
               "too) until the first final verdict or --timeout.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
-              help="With --follow, or reading a pipe or FIFO: give up after this long (exit 5, the verdict of "
-                   "what was read).")
+              help="With --follow, or reading a pipe or FIFO: stop waiting after this long and give the verdict "
+                   "of what was read (exit 5 when that is no verdict yet).")
 @json_option
 def check_log(log, server, server_version, python, follow, timeout, as_json):
     """Say from a server's own log lines whether SGLang or vLLM really fused (which backend, the
