@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import ast
 import json
+import functools
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -29,6 +33,7 @@ SITE = "/srv/venv/lib/python3.11/site-packages/"
 pytestmark = pytest.mark.wheels
 
 
+@functools.lru_cache(maxsize=64)
 def wheel_text(distribution: str, version: str, relpath: str | None) -> str:
     with zipfile.ZipFile(fetch_wheel(distribution, version)) as archive:
         if relpath is not None:
@@ -48,7 +53,11 @@ def known(distribution: str, versions) -> list[str]:
 def test_every_message_fragment_is_in_the_lowest_and_highest_release_of_its_range(server):
     logs = load_logs(server)
     checked = 0
+    native = [row for row in logs.lines if row.printed_by is not None]  # common-logs.toml: in no wheel
+    assert native and all(row.kind == "died" for row in native)
     for row in logs.lines:
+        if row.printed_by is not None:
+            continue
         if row.source is None:
             releases = known(server, row.versions & logs.versions)
             distribution = server
@@ -60,7 +69,7 @@ def test_every_message_fragment_is_in_the_lowest_and_highest_release_of_its_rang
             for fragment in row.message:
                 assert fragment in text, f"{distribution} {version} {row.file}: {fragment!r} is not in its source"
                 checked += 1
-    assert checked >= 2 * len(logs.lines)
+    assert checked >= 2 * (len(logs.lines) - len(native))
 
 
 # -- the releases' own formats, read from their wheels -----------------------------------------------
@@ -471,10 +480,10 @@ class _Idle:
 
 
 def test_follow_a_growing_rotated_file_until_the_verdict(tmp_path, monkeypatch):
-    import sm120patch.logcheck
+    import sm120patch.logsource
 
     idle = _Idle()
-    monkeypatch.setattr(sm120patch.logcheck, "time", idle)
+    monkeypatch.setattr(sm120patch.logsource, "time", idle)
     log = tmp_path / "sglang.log"
     version = "0.5.9"
     lines = [sglang_settings(version, 2, True)]
@@ -534,3 +543,355 @@ def test_truncation_and_a_100_mb_log_are_streamed(tmp_path):
 def test_a_missing_file_is_one_line_exit_2(tmp_path):
     result = run_cli("check-log", str(tmp_path / "nope.log"))
     assert result.exit_code == 2 and "no such file" in result.output and "Traceback" not in result.output
+
+
+# -- the logs operators have (issue #54): collectors' prefixes x releases x outcomes, restarts ------
+
+NCCL_ABORT = ("[rank1]:[E1128 10:03:41.123456 4242 ProcessGroupNCCL.cpp:1896] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+              "Process group watchdog thread terminated with exception: CUDA error: an illegal memory access was "
+              "encountered")
+DIED_OUTSIDE = [NCCL_ABORT + "\n",
+                "terminate called after throwing an instance of 'c10::DistBackendError'\n",
+                "Fatal Python error: Aborted\n"]
+
+
+def collected(collector: str, text: str) -> str:
+    """``text`` as a collector writes it: journald's short format, docker/kubectl's RFC 3339 time,
+    RFC 5424 syslog, or as it is (a plain file, ``journalctl -o cat``)."""
+    prefix = {"plain": "", "journal-cat": "",
+              "journal-short": "Nov 28 10:03:41 gpu-host sglang[4242]: ",
+              "docker": "2026-11-28T10:03:41.123456789Z ",
+              "kubectl": "2026-11-28T10:03:41.123456789+00:00 ",
+              "syslog": "<14>1 2026-11-28T10:03:41.123Z gpu-host server 4242 - - "}[collector]
+    return "".join(prefix + line + "\n" for line in text.splitlines())
+
+
+def sglang_run(version: str, outcome: str) -> str:
+    fragment, names = FUSED[version]
+    text = sglang_settings(version, 2, True)
+    fused = "".join(sglang_line(version, f" TP{r}", logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                         fragment, rank=r, world_size=2, **names)) for r in (0, 1))
+    ready = sglang_line(version, "", "The server is fired up and ready to roll!")
+    if outcome == "fused":
+        return text + fused + ready
+    if outcome == "died":
+        return text + fused + ready + sglang_line(version, " TP1", "Prefill batch. #new-seq: 1") + "".join(DIED_OUTSIDE)
+    if outcome == "fell-back":  # as released on SM120: ready, and no rank made the workspace
+        return text + ready
+    if outcome == "starting":
+        return text + sglang_line(version, " TP1", logged("sglang", version, "sglang/srt/model_executor/model_runner.py",
+                                                         "Load weight begin", get_available_gpu_memory=lambda *a: 90.0,
+                                                         device="cuda", gpu_id=1))
+    if outcome == "not-requested":
+        return sglang_settings(version, 2, False) + ready
+    if outcome == "crashed":
+        return text + sglang_line(version, " TP0", logged("sglang", version, "sglang/srt/managers/scheduler.py",
+                                                         "Scheduler hit an exception",
+                                                         traceback=flashinfer_unpatched_traceback()))
+    raise AssertionError(outcome)
+
+
+def vllm_run(version: str, outcome: str) -> str:
+    text = vllm_settings(version, 2, True)
+    fused = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm")) for r in (0, 1))
+    ready = vllm_line(version, "APIServer", "api_server.py",
+                      logged("vllm", version, "vllm/entrypoints/openai/api_server.py" if version == "0.19.0"
+                             else "vllm/entrypoints/launchers/api_server/entry.py", "Starting vLLM server on ",
+                             listen_address="http://0.0.0.0:8000"))
+    if outcome == "fused":
+        return text + fused + ready
+    if outcome == "died":
+        return text + fused + ready + "".join(f"(Worker_TP1 pid=4242) {line}" for line in DIED_OUTSIDE)
+    if outcome == "fell-back":
+        return text + vllm_line(version, "Worker_TP0", "allreduce_rms_fusion.py",
+                                logged("vllm", version, VLLM_PASS, "is not supported for world size", tp_size=2),
+                                "WARNING") + ready
+    if outcome == "starting":
+        return text + vllm_line(version, "Worker_TP0", "backends.py",
+                                logged("vllm", version, "vllm/compilation/backends.py",
+                                       "Compiling a graph for compile range ", compile_range="(1, 8192)", elapsed=3.2))
+    if outcome == "not-requested":
+        return vllm_settings(version, 2, False) + ready
+    if outcome == "crashed":
+        return text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                                logged("vllm", version, "vllm/v1/executor/multiproc_executor.py",
+                                       "WorkerProc failed to start.") + "\n" + flashinfer_unpatched_traceback(), "ERROR")
+    raise AssertionError(outcome)
+
+
+RUNS = {"sglang": ("0.5.9", sglang_run), "vllm": ("0.29.0", vllm_run)}
+EXPECT = {"fused": (0, "fused"), "died": (1, "crashed"), "crashed": (1, "crashed"), "fell-back": (1, "fell-back"),
+          "starting": (5, "starting"), "not-requested": (1, "not-requested")}
+
+
+@pytest.mark.parametrize("collector", ["plain", "journal-cat", "journal-short", "docker", "kubectl", "syslog"])
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+@pytest.mark.parametrize("outcome", ["fused", "died", "crashed", "fell-back", "starting", "not-requested",
+                                     "after-a-crash"])
+def test_collectors_releases_and_outcomes(tmp_path, collector, server, outcome):
+    """Each collector's prefix, each server, and: fused; fused then dead outside Python (the NCCL
+    watchdog's abort); crashed in Python; fell back; starting; not requested; a crashed run, then a
+    restart (``>>``, systemd's append:) that fused. (Ready before the first request:
+    test_a_lazy_workspace_is_not_known_until_the_first_request.)"""
+    version, run = RUNS[server]
+    if outcome == "after-a-crash":
+        first = run(version, "crashed")
+        text, expect = first + run(version, "fused"), (0, "fused")
+    else:
+        text, expect = run(version, outcome), EXPECT[outcome]
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    code, doc = check(tmp_path, collected(collector, text), *args)
+    assert (code, doc["verdict"]) == expect, doc
+    assert doc["server"] == server and doc["version"] == version
+    if outcome == "fused":
+        assert doc["final"] and sorted(r["verdict"] for r in doc["ranks"]) == ["fused", "fused"], doc
+    if outcome == "died":
+        assert doc["summary"].startswith("died outside Python") and "watchdog" in doc["summary"], doc
+        assert "fusion had started" in doc["summary"] and "sm120patch verify" in doc["fix"], doc
+    if outcome == "after-a-crash":
+        assert (doc["run"], doc["runs"]) == (2, 2) and doc["run_line"] == len(first.splitlines()) + 1, doc
+        assert any("2 runs" in n for n in doc["notes"])
+
+
+def test_the_readme_example_runs_as_printed_and_the_wrong_server_says_so(tmp_path):
+    code, doc = check(tmp_path, sglang_run("0.5.9", "fused"), "--version", "0.5.9")  # README: no --server
+    assert code == 0 and doc["verdict"] == "fused" and doc["server"] == "sglang", doc
+    log = tmp_path / "vllm.log"
+    log.write_text(vllm_run("0.29.0", "fused"))
+    for follow in ((), ("--follow", "--timeout", "60")):
+        started = time.monotonic()
+        result = run_cli("check-log", str(log), "--server", "sglang", *follow)
+        assert result.exit_code == 2 and "vLLM's log format" in result.output and "--server vllm" in result.output
+        assert "Traceback" not in result.output and time.monotonic() - started < 30
+
+
+def test_seven_of_eight_names_the_failing_rank_and_out_of_memory_is_not_a_patch(tmp_path):
+    version = "0.5.14"
+    text = sglang_settings(version, 8, True)
+    echo = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py", "disabled globally because ")
+    cause = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                   "Disabling flashinfer allreduce fusion permanently.", backend="trtllm",
+                   e="CUDA out of memory. Tried to allocate 1.50 GiB. GPU 5 has a total capacity of 94.97 GiB")
+    text += "".join(sglang_line(version, f" TP{r}", echo) for r in (0, 1, 2, 3, 4, 6, 7))
+    text += sglang_line(version, " TP5", cause)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and "on TP5" in doc["summary"], doc
+    assert "unicast" not in doc["fix"] and "mem-fraction-static" in doc["fix"], doc
+
+
+def test_a_fragment_says_what_its_lines_support(tmp_path):
+    """vLLM 0.29 on its way to fusing, the version line rotated away: the mnnvl warning means a
+    fall-back only before 0.25, so it is not counted."""
+    version = "0.29.0"
+    warn = vllm_line(version, "Worker_TP0", "flashinfer_all_reduce.py",
+                     logged("vllm", version, VLLM_FI, "This is expected on GPUs without NVSwitch",
+                            e="[SymmDeviceMemory] Device does not support multicasting."), "WARNING")
+    fused = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm")) for r in (0, 1))
+    code, doc = check(tmp_path, warn + fused)
+    assert doc["verdict"] == "fused" and code == 0 and not doc["final"], doc
+    assert any(n.startswith("not counted:") and "--version tells" in n for n in doc["notes"]), doc
+
+
+def test_workspace_lines_that_are_not_fusion(tmp_path):
+    # vLLM 0.29: the same workspace for plain allreduces, the pass not asked for.
+    version = "0.29.0"
+    plain = vllm_run(version, "fused").replace("'fuse_allreduce_rms': True", "'custom_ops': ['none']")
+    code, doc = check(tmp_path, plain)
+    assert code == 1 and doc["verdict"] == "not-requested", doc
+    assert any("plain allreduces" in n for n in doc["notes"]), doc
+    # SGLang with DP attention: the workspace, and a predicate that never fuses.
+    dp = sglang_run("0.5.9", "fused").replace("enable_flashinfer_allreduce_fusion=True",
+                                              "enable_flashinfer_allreduce_fusion=True, enable_dp_attention=True")
+    code, doc = check(tmp_path, dp, "--server", "sglang", "--version", "0.5.9")
+    assert code == 1 and doc["verdict"] == "not-requested" and "DP attention" in doc["fix"], doc
+
+
+def test_a_lazy_workspace_is_not_known_until_the_first_request(tmp_path):
+    version = "0.5.9"
+    text = sglang_settings(version, 2, True).replace("enable_flashinfer_allreduce_fusion=True",
+                                                     "enable_flashinfer_allreduce_fusion=True, disable_cuda_graph=True")
+    text += sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 5 and doc["verdict"] == "starting" and "first request" in doc["summary"], doc
+    served = text + sglang_line(version, " TP0", "Prefill batch. #new-seq: 1, #new-token: 12")
+    code, doc = check(tmp_path, served, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "server-gates", doc
+
+
+# -- sources that are not plain files (issue #53 item 1) ----------------------------------------------
+
+def sm120patch(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sm120patch", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def test_follow_on_a_fifo_whose_writer_stays_answers_before_the_timeout(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def write():
+        with open(fifo, "w") as f:
+            f.write(sglang_run("0.5.9", "fused"))
+            f.flush()
+            done.wait(60)  # the writer keeps the FIFO open, as `<(cat log; sleep 25)` does
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        started = time.monotonic()
+        result = sm120patch("check-log", str(fifo), "--follow", "--timeout", "30", "--server", "sglang",
+                            "--version", "0.5.9")
+        assert result.returncode == 0 and "fused" in result.stdout, result
+        assert time.monotonic() - started < 25
+    finally:
+        done.set()
+        writer.join()
+
+
+def test_a_fifo_without_a_writer_ends_at_the_timeout_and_a_closed_one_is_read(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    result = sm120patch("check-log", str(fifo), "--timeout", "2", "--server", "sglang")
+    assert result.returncode == 5 and "timeout passed" in result.stdout and time.monotonic() - started < 30, result
+    writer = threading.Thread(target=lambda: fifo.write_text(sglang_run("0.5.9", "fused")))
+    writer.start()
+    result = sm120patch("check-log", str(fifo), "--follow", "--timeout", "30", "--version", "0.5.9")
+    writer.join()
+    assert result.returncode == 0 and "Illegal seek" not in result.stderr, result
+
+
+@pytest.mark.parametrize("how", ["path", "stdin", "pipe"])
+def test_an_endless_source_is_refused_in_bounded_time(how):
+    if how == "path":
+        result = sm120patch("check-log", "/dev/zero")
+    elif how == "stdin":
+        with open("/dev/zero", "rb") as zero:
+            result = sm120patch("check-log", "-", stdin=zero)
+    else:
+        result = subprocess.run(f"cat /dev/urandom | {sys.executable} -m sm120patch check-log -", shell=True,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("sm120patch: error: "), result
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+
+
+def test_standard_input_closed_is_one_line_exit_2():
+    result = subprocess.run(f"{sys.executable} -m sm120patch check-log - <&-", shell=True, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "standard input is closed" in result.stderr, result
+    assert "Traceback" not in result.stderr
+
+
+def test_memory_stays_bounded_whatever_the_number_of_tracebacks(tmp_path):
+    """A run of 50 000 tracebacks (each a scheduler's crash line, as 0.5.9 writes it) is read in
+    about the memory of a short log: only what the verdict needs is kept."""
+    one = sglang_run("0.5.9", "crashed").split("\n", 1)[1]
+    log = tmp_path / "many.log"
+    with log.open("w") as f:
+        f.write(sglang_settings("0.5.9", 2, True))
+        for _ in range(50_000):
+            f.write(one)
+    small = tmp_path / "small.log"
+    small.write_text(sglang_settings("0.5.9", 2, True) + one)
+    probe = ("import resource, sys; from click.testing import CliRunner; from sm120patch.cli import cli; "
+             "r = CliRunner().invoke(cli, ['check-log', sys.argv[1], '--server', 'sglang', '--version', '0.5.9']); "
+             "print(r.exit_code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    used = {}
+    for name, path in (("small", small), ("many", log)):
+        out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=300)
+        code, kib = out.stdout.split()
+        assert code == "1", out
+        used[name] = int(kib)
+    assert used["many"] - used["small"] < 10 << 10, (used, log.stat().st_size)  # KiB (before: +27 MiB)
+
+
+def test_an_interrupted_check_log_does_not_claim_a_rollback(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "sm120patch", "check-log", str(fifo), "--timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "rolled back" not in err and "changes nothing" in err, err
+
+
+def flashinfer_sm100_only_traceback() -> str:
+    """FlashInfer 0.6.4's own CompilationContext on an SM120 GPU, asked as jit/fused_moe.py asks it
+    for its SM100-only MoE kernels."""
+    def call(cls):
+        ctx = cls.__new__(cls)
+        ctx.TARGET_CUDA_ARCHS = {(12, "0a")}
+        ctx.COMMON_NVCC_FLAGS = []
+        return ctx.get_nvcc_flags_list(supported_major_versions=[10])
+    return raised_by("flashinfer-python", "0.6.4", "flashinfer/compilation_context.py", "CompilationContext", call,
+                     os=os, logger=logging.getLogger("x"), torch=None)
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_another_flashinfer_modules_arch_error_is_not_blamed_on_trtllm_comm(tmp_path, server):
+    version, _ = RUNS[server]
+    tb = flashinfer_sm100_only_traceback()
+    if server == "sglang":
+        text = sglang_settings(version, 2, True) + sglang_line(version, " TP0", logged(
+            "sglang", version, "sglang/srt/managers/scheduler.py", "Scheduler hit an exception", traceback=tb))
+        args = ("--server", "sglang", "--version", version)
+    else:
+        text = vllm_settings(version, 2, True) + vllm_line(version, "Worker_TP1", "multiproc_executor.py", logged(
+            "vllm", version, "vllm/v1/executor/multiproc_executor.py", "WorkerProc failed to start.") + "\n" + tb,
+            "ERROR")
+        args = ()
+    code, doc = check(tmp_path, text, *args)
+    assert code == 1 and doc["verdict"] == "crashed" and "major versions [10]" in doc["crash"]["exception"], doc
+    assert doc["step"] == "device" and "apply --flashinfer" not in doc["fix"], doc
+    assert ("--moe-runner-backend" if server == "sglang" else "--moe-backend") in doc["fix"]
+
+
+def test_runs_are_told_by_who_prints_the_start_line(tmp_path):
+    """vLLM's engine cores under data parallelism each print the start line: one run. SGLang's
+    main process printing its settings again without a word from a rank is a restart."""
+    version = "0.29.0"
+    first, rest = vllm_run(version, "fused").split("\n", 1)
+    dp = f"{first}\n{first.replace('EngineCore_DP0', 'EngineCore_DP1')}\n{rest}"
+    code, doc = check(tmp_path, dp)
+    assert code == 0 and doc["verdict"] == "fused" and doc["runs"] == 1, doc
+    version = "0.5.9"
+    off = sglang_settings(version, 2, False) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, off + sglang_run(version, "fused"), "--version", version)
+    assert code == 0 and doc["verdict"] == "fused" and (doc["run"], doc["runs"], doc["run_line"]) == (2, 2, 3), doc
+    text = run_cli("check-log", str(tmp_path / "server.log"), "--version", version).output
+    assert "run 2 of 2 (from line 3): the newest run decides" in text
+
+
+@pytest.mark.parametrize("line, printed_by", [
+    (NCCL_ABORT, "libtorch"),
+    ("terminate called after throwing an instance of 'c10::DistBackendError'", "libstdc++"),
+    ("Fatal Python error: Segmentation fault", "CPython"),
+    ("/usr/local/bin/serve.sh: line 12:  4242 Killed                  python3 -m sglang.launch_server", "the shell"),
+    ("Segmentation fault (core dumped)", "the shell"),
+    ("*** SIGSEGV received at time=1732788221 on cpu 3 ***", "a native failure-signal handler"),
+    ("sglang.service: Main process exited, code=killed, status=9/KILL", "systemd"),
+    ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "torch.distributed.elastic"),
+    ("launcher", None),
+])
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_each_death_outside_python_after_a_fused_start(tmp_path, server, line, printed_by):
+    version, run = RUNS[server]
+    if line == "launcher":  # the server's own report of a child gone, from its wheel
+        line = (sglang_line(version, "", logged("sglang", version, "sglang/srt/entrypoints/engine.py",
+                                                "Scheduler or DataParallelController ",
+                                                proc=types.SimpleNamespace(pid=4242, exitcode=-9)))
+                if server == "sglang" else
+                vllm_line(version, None, "multiproc_executor.py", logged(
+                    "vllm", version, "vllm/v1/executor/multiproc_executor.py", "Worker proc ",
+                    proc=types.SimpleNamespace(name="VllmWorker-1", exitcode=-9)), "ERROR")).rstrip("\n")
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    code, doc = check(tmp_path, run(version, "fused") + line + "\n", *args)
+    assert code == 1 and doc["verdict"] == "crashed" and doc["summary"].startswith("died outside Python"), doc
+    assert "fusion had started" in doc["summary"] and doc["fix"], doc
+    assert (doc["crash"]["printed_by"] or "").startswith(printed_by) if printed_by else doc["crash"]["printed_by"] is None

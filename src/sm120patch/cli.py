@@ -81,6 +81,8 @@ def handle(exc: BaseException) -> int:
         if committed:  # a signal after the write (during a build): the change it made stands
             click.echo(f"sm120patch: interrupted ({signals.name(signum)}) after the {committed} was committed: that "
                        "change stands (`sm120patch status` shows it); what came after it did not finish", err=True)
+        elif signals.STATE.reading:
+            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); this command changes nothing", err=True)
         else:
             click.echo(f"sm120patch: interrupted ({signals.name(signum)}); any change in progress was rolled back",
                        err=True)
@@ -570,13 +572,15 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
                             "sm120patch check-log server.log --python ~/ml-env/bin/python3",
                             "sm120patch check-log /var/log/vllm.log --follow --timeout 900 --json",
                             "journalctl -u sglang -o cat | sm120patch check-log - --server sglang"],
-                           [(0, "fused: FlashInfer's workspace was created on every rank"),
-                            (1, "fell back to unfused allreduce, not requested, or crashed (it says which, the "
-                                "chain step and the fix)"),
-                            (2, "bad input: an option, a missing file (without --follow), a --python without the server"),
+                           [(0, "fused: FlashInfer's workspace was created on every rank (the newest run of the log)"),
+                            (1, "fell back to unfused allreduce, not requested, crashed or died outside Python (it "
+                                "says which, the chain step and the fix)"),
+                            (2, "bad input: an option, a missing file (without --follow), a --python without the server, "
+                                "a device or binary data instead of a log, standard input closed, a log of the other "
+                                "server than --server"),
                             (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
                             (4, "the log could not be read"),
-                            (5, "no verdict yet: still starting (with --follow: the timeout passed first)"),
+                            (5, "no verdict yet: still starting (with --follow, or on a pipe: the timeout passed first)"),
                             INTERRUPTED_READING]))
 @click.argument("log", metavar="FILE|-")
 @click.option("--server", type=click.Choice(["sglang", "vllm"]), default=None,
@@ -587,7 +591,8 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
 @click.option("--follow", is_flag=True, help="Keep reading the growing file (like tail -F: rotation and truncation "
               "too) until the first final verdict or --timeout.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
-              help="With --follow: give up after this long (exit 5).")
+              help="With --follow, or reading a pipe or FIFO: stop waiting after this long and give the verdict "
+                   "of what was read (exit 5 when that is no verdict yet).")
 @json_option
 def check_log(log, server, server_version, python, follow, timeout, as_json):
     """Say from a server's own log lines whether SGLang or vLLM really fused (which backend, the
@@ -597,6 +602,7 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
     patches/<server>/logs.toml."""
     from sm120patch import logcheck, render
 
+    signals.STATE.reading = True
     report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout))
     return show(report, as_json, render.render_log_check, render.log_check_json)
 

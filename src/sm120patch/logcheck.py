@@ -1,387 +1,109 @@
 """`sm120patch check-log`: whether a running (or finished) SGLang or vLLM server really fused,
 read from its own log lines.
 
-The lines are facts of each release, kept as data (``patches/<server>/logs.toml``: the literal
-message fragments of the release's source, by PEP 440 range); this module only reads the log,
-one line at a time (logs are big, rotated, interleaved across ranks, ANSI-coloured and not
-always UTF-8), sorts each line to the process that wrote it, and turns what it saw into one
-verdict per rank and one overall. Only `check-log` imports it: `status` stays fast.
+Its parts, each found by name: where the lines come from (:mod:`sm120patch.logsource`: a file,
+a pipe, ``--follow``), what a collector put in front of a line (:mod:`sm120patch.collectors`),
+which run and which rank a line belongs to (:mod:`sm120patch.logruns`), and what a release's lines
+mean (:mod:`sm120patch.logdata`, the data of ``patches/<server>/logs.toml``). This module turns
+what the newest run said into one verdict per rank and one overall. Only `check-log` imports
+it: `status` stays fast.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import select
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import environment, pipeline
-from sm120patch.chain import STEPS, StepResult
-from sm120patch.data import data_dir
-from sm120patch.distributions import load_registry, specifier
-from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError, UsageError
-from sm120patch.patchsets import read_toml
+from sm120patch import collectors, environment, pipeline
+from sm120patch.chain import StepResult
+from sm120patch.distributions import load_registry
+from sm120patch.errors import Sm120PatchError, TransactionError, UsageError
+from sm120patch.logdata import LogData, LogLine, load_logs, parse_logs
+from sm120patch.logruns import MAIN, Runs
+from sm120patch.logsource import open_lines
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
 from sm120patch.words import counted
 
 SERVERS = ("sglang", "vllm")
-KINDS = ("version", "config", "tp", "requested", "progress", "ready", "fused", "kernel", "fell-back", "crashed",
-         "signature", "note")
-ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][A-Za-z0-9]|\x1b[=>]")
-FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+?)\s*$')
-TRACEBACK = "Traceback (most recent call last):"
-MAIN = "main"  # the lines of no rank: SGLang's main process, vLLM's API server and engine core
 MAX_SEEN = 20
 IDLE_CRASH_S = 2.0  # --follow: a traceback this long without its last line is taken as finished
-
-
-# -- the data --------------------------------------------------------------------------------------
-
-class LogLine(NamedTuple):
-    """A line a release writes (a ``[[line]]`` of logs.toml)."""
-
-    versions: SpecifierSet
-    kind: str
-    message: tuple[str, ...]  # literal fragments of the release's source, all in the line
-    pattern: re.Pattern | None = None  # picks values (``value``, ``backend``) out of a matching line
-    step: str | None = None
-    fix: str | None = None
-    backend: str | None = None
-    stage: str | None = None
-    source: str | None = None  # the distribution whose source has the message (None: the server)
-    source_versions: SpecifierSet = SpecifierSet()
-    file: str | None = None
-
-    def match(self, text: str) -> re.Match | bool:
-        if not all(fragment in text for fragment in self.message):
-            return False
-        if self.pattern is None:
-            return True
-        return self.pattern.search(text) or False
-
-
-class Quiet(NamedTuple):
-    """What it means, in ``versions``, that fusion was asked for, the server got ready and no
-    rank logged the workspace."""
-
-    versions: SpecifierSet
-    step: str | None
-    fix: str | None
-    fused: str | None = None  # a release that logs no workspace line at INFO: why silence means fused
-
-
-class KernelNote(NamedTuple):
-    versions: SpecifierSet
-    text: str
-
-
-@dataclass(frozen=True)
-class LogData:
-    server: str
-    versions: SpecifierSet  # the releases whose lines were read
-    header: re.Pattern
-    rank: re.Pattern
-    process: re.Pattern | None
-    lines: tuple[LogLine, ...]
-    quiet: tuple[Quiet, ...]
-    kernel_notes: tuple[KernelNote, ...]
-    firsts: re.Pattern = field(compare=False, default=None)  # any row's first fragment: a cheap pre-filter
-
-    def covers(self, version: Version | None) -> bool:
-        return version is not None and self.versions.contains(version, prereleases=True)
-
-
-def _regex(value, where: str) -> re.Pattern:
-    if not isinstance(value, str):
-        raise PatchDataError(f"{where}: a pattern must be a string")
-    try:
-        return re.compile(value)
-    except re.error as exc:
-        raise PatchDataError(f"{where}: {value!r} is not a regular expression ({exc})") from None
-
-
-LINE_KEYS = {"versions", "kind", "message", "pattern", "step", "fix", "backend", "stage", "source",
-             "source_versions", "file"}
-
-
-def parse_logs(path: Path, server: str) -> LogData:
-    """``patches/<server>/logs.toml``, validated: every error names the file and the row."""
-    where = f"{server}/logs.toml"
-    doc = read_toml(path, where)
-    fmt = doc.get("format")
-    if not isinstance(fmt, dict) or "header" not in fmt or "rank" not in fmt:
-        raise PatchDataError(f"{where}: needs [format] with header and rank")
-    rows = []
-    for index, raw in enumerate(doc.get("line", [])):
-        lwhere = f"{where}: line #{index + 1}"
-        unknown = set(raw) - LINE_KEYS
-        if unknown:
-            raise PatchDataError(f"{lwhere}: unknown key(s) {', '.join(sorted(unknown))}")
-        if raw.get("kind") not in KINDS:
-            raise PatchDataError(f"{lwhere}: kind must be one of {', '.join(KINDS)}")
-        message = raw.get("message")
-        if not isinstance(message, list) or not message or not all(isinstance(m, str) and m for m in message):
-            raise PatchDataError(f"{lwhere}: message is a list of the literal fragments the release prints")
-        kind = raw["kind"]
-        if kind in ("fell-back", "signature"):
-            if raw.get("step") not in STEPS or not isinstance(raw.get("fix"), str):
-                raise PatchDataError(f"{lwhere}: a {kind} line names its step (one of {', '.join(STEPS)}) and fix")
-        elif "step" in raw or "fix" in raw:
-            raise PatchDataError(f"{lwhere}: only fell-back and signature lines have a step and a fix")
-        if kind == "progress" and not isinstance(raw.get("stage"), str):
-            raise PatchDataError(f"{lwhere}: a progress line names its stage")
-        pattern = _regex(raw["pattern"], lwhere) if "pattern" in raw else None
-        if kind in ("version", "tp", "kernel") and (pattern is None or "value" not in pattern.groupindex):
-            raise PatchDataError(f"{lwhere}: a {kind} line's pattern captures (?P<value>...)")
-        if ("source" in raw) != ("source_versions" in raw):
-            raise PatchDataError(f"{lwhere}: source and source_versions go together")
-        rows.append(LogLine(specifier(raw.get("versions"), lwhere), kind, tuple(message), pattern, raw.get("step"),
-                            raw.get("fix"), raw.get("backend"), raw.get("stage"), raw.get("source"),
-                            specifier(raw.get("source_versions", ""), lwhere), raw.get("file")))
-    for kind in ("fused", "ready", "crashed"):
-        if not any(r.kind == kind for r in rows):
-            raise PatchDataError(f"{where}: no {kind} line: check-log could not give that verdict")
-    quiet = []
-    for index, raw in enumerate(doc.get("quiet", [])):
-        qwhere = f"{where}: quiet #{index + 1}"
-        if raw.get("verdict") == FUSED and isinstance(raw.get("text"), str):
-            quiet.append(Quiet(specifier(raw.get("versions"), qwhere), None, None, raw["text"]))
-            continue
-        if raw.get("step") not in STEPS or not isinstance(raw.get("fix"), str):
-            raise PatchDataError(f"{qwhere}: needs versions, step (one of {', '.join(STEPS)}) and fix")
-        quiet.append(Quiet(specifier(raw.get("versions"), qwhere), raw["step"], raw["fix"]))
-    notes = []
-    for index, raw in enumerate(doc.get("kernel_note", [])):
-        nwhere = f"{where}: kernel_note #{index + 1}"
-        if not isinstance(raw.get("text"), str):
-            raise PatchDataError(f"{nwhere}: needs versions and text")
-        notes.append(KernelNote(specifier(raw.get("versions"), nwhere), raw["text"]))
-    firsts = re.compile("|".join(sorted({re.escape(r.message[0]) for r in rows}, key=len, reverse=True)))
-    return LogData(server, specifier(doc.get("versions"), where), _regex(fmt["header"], f"{where}: format.header"),
-                   _regex(fmt["rank"], f"{where}: format.rank"),
-                   _regex(fmt["process"], f"{where}: format.process") if "process" in fmt else None,
-                   tuple(rows), tuple(quiet), tuple(notes), firsts)
-
-
-def load_logs(server: str, directory: Path | None = None) -> LogData:
-    directory = directory or data_dir("patches")
-    return parse_logs(directory / server / "logs.toml", server)
-
-
-# -- reading ----------------------------------------------------------------------------------------
-
-def _decode(raw: bytes) -> str:
-    text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-    return ANSI.sub("", text) if "\x1b" in text else text
-
-
-CHUNK = 1 << 16
-MAX_LINE = 1 << 20  # a longer "line" (a binary blob) is cut into pieces of this size
-
-
-class Follower:
-    """The lines of a file as they are written, like ``tail -F``: it waits for a file that does
-    not exist yet, and starts again from the top when the file is replaced (rotation: another
-    inode at the path, after what was left in the old one is read) or truncated (copytruncate).
-    Yields None when nothing new came for a while (the caller checks its clock)."""
-
-    def __init__(self, path: Path, poll: float = 0.2) -> None:
-        self.path, self.poll = path, poll
-        self.handle = None
-        self.inode = None
-
-    def _open(self) -> bool:
-        try:
-            self.handle = open(self.path, "rb")  # noqa: SIM115 - kept open while following
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise TransactionError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        self.inode = os.fstat(self.handle.fileno()).st_ino
-        return True
-
-    def __iter__(self) -> Iterator[bytes | None]:
-        pending = b""
-        while True:
-            if self.handle is None and not self._open():
-                yield None
-                time.sleep(self.poll)
-                continue
-            data = self.handle.read(CHUNK)
-            if data:
-                pending += data
-                while True:
-                    cut = pending.find(b"\n")
-                    if cut < 0:
-                        break
-                    yield pending[:cut + 1]
-                    pending = pending[cut + 1:]
-                while len(pending) >= MAX_LINE:
-                    yield pending[:MAX_LINE]
-                    pending = pending[MAX_LINE:]
-                continue
-            # At the end of what is there: replaced, truncated, or just not written yet.
-            try:
-                now = os.stat(self.path)
-            except FileNotFoundError:
-                now = None
-            position = self.handle.tell()
-            if now is not None and now.st_ino != self.inode:
-                if pending:
-                    yield pending
-                    pending = b""
-                self.handle.close()
-                self.handle = None
-                continue
-            if now is not None and now.st_size < position:
-                pending = b""
-                self.handle.seek(0)
-                continue
-            yield None
-            time.sleep(self.poll)
-
-
-def _stream(handle) -> Iterator[bytes]:
-    """A file read to its end, line by line, never whole."""
-    while True:
-        line = handle.readline(MAX_LINE)
-        if not line:
-            return
-        yield line
-
-
-def _stdin_lines(follow_deadline: float | None) -> Iterator[bytes | None]:
-    """Standard input line by line; with a deadline it never blocks past it (None: an idle tick)."""
-    fd = sys.stdin.buffer.fileno() if hasattr(sys.stdin, "buffer") else None
-    if fd is None or follow_deadline is None:
-        yield from _stream(sys.stdin.buffer)
-        return
-    pending = b""
-    while True:
-        ready, _, _ = select.select([fd], [], [], 0.2)
-        if not ready:
-            yield None
-            continue
-        data = os.read(fd, CHUNK)
-        if not data:
-            if pending:
-                yield pending
-            return
-        pending += data
-        while (cut := pending.find(b"\n")) >= 0:
-            yield pending[:cut + 1]
-            pending = pending[cut + 1:]
-        while len(pending) >= MAX_LINE:
-            yield pending[:MAX_LINE]
-            pending = pending[MAX_LINE:]
-
-
-# -- what the lines say ------------------------------------------------------------------------------
-
-@dataclass
-class Traceback:
-    active: bool = True
-    frame: str | None = None
-    frame_file: str | None = None
-    exceptions: list = field(default_factory=list)
-
-
-@dataclass
-class Process:
-    label: str
-    is_rank: bool = False
-    events: list = field(default_factory=list)  # (LogLine, text, match)
-    traceback: Traceback | None = None
-    tracebacks: list = field(default_factory=list)
+NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 class Analysis:
-    """Everything the log said, sorted by process. :meth:`report` turns it into the verdict."""
+    """Everything the newest run of the log said, sorted by process. :meth:`report` turns it into
+    the verdict."""
 
     def __init__(self, data: dict[str, LogData], server: str | None, version: Version | None,
                  version_from: str) -> None:
         self.data = data
         self.server = server
+        self.given = version, version_from  # --version or --python: every run is of that release
         self.version = version
         self.version_from = version_from
-        self.processes: dict[str, Process] = {}
-        self.last_key = MAIN
+        self.runs: Runs | None = None
         self.lines = 0
         self.changed = False  # an event since the verdict was last made
+        self.ambiguous: list[str] = []  # lines whose meaning depends on a release not known
 
     @property
     def logs(self) -> LogData | None:
         return self.data.get(self.server) if self.server else None
 
-    def _detect(self, text: str) -> None:
+    @property
+    def processes(self) -> dict:
+        return self.runs.run.processes if self.runs is not None else {}
+
+    def _format_of(self, text: str) -> str | None:
         for name, logs in self.data.items():
-            body = text
-            if logs.process is not None:
-                match = logs.process.match(body)
-                if match:
-                    body = body[match.end():]
-            if logs.header.match(body) or (logs.process is not None and logs.process.match(text)):
-                self.server = name
-                return
+            if (logs.process is not None and logs.process.match(text)) or logs.header.match(text):
+                return name
+        return None
 
-    def _process(self, key: str, label: str) -> Process:
-        proc = self.processes.get(key)
-        if proc is None:
-            proc = self.processes[key] = Process(label)
-        proc.label = label
+    def _begin(self, server: str) -> None:
+        self.server = server
         logs = self.logs
-        if key != MAIN and logs.rank.search(label):
-            proc.is_rank = True
-        return proc
+        self.runs = Runs(logs, [row for row in logs.lines if row.kind == "signature"])
 
-    def feed(self, raw: bytes) -> None:
+    def feed(self, raw: str) -> None:
         self.lines += 1
-        text = _decode(raw)
+        text = collectors.strip(raw)
         if not text:
             return
-        if self.server is None:
-            self._detect(text)
-            if self.server is None:
+        if self.runs is None:
+            found = self._format_of(text)
+            if found is None:
                 return
+            if self.server is not None and found != self.server:
+                raise UsageError(
+                    f"line {self.lines} is in {NAMES[found]}'s log format, and no line before it in "
+                    f"{NAMES[self.server]}'s: this is not a log of --server {self.server}",
+                    hint=f"drop --server, or give --server {found}")
+            self._begin(found)
         logs = self.logs
-        body = text
-        key = label = None
-        if logs.process is not None:
-            match = logs.process.match(body)
-            if match:
-                key, label = f"pid {match['pid']}", match["scope"].strip()
-                body = body[match.end():]
-        header = logs.header.match(body)
-        if header is not None:
-            if key is None:
-                scope = header.groupdict().get("scope") or ""
-                key = label = scope.strip() or MAIN
-            body = body[header.end():]
-        if key is None:  # a continuation line (a traceback's): the record above it
-            key = self.last_key
-            label = self.processes[key].label if key in self.processes else MAIN
-        self.last_key = key
-        proc = self._process(key, label or MAIN)
-        self._traceback(proc, body, header is not None)
-        if logs.firsts.search(text) is None:
-            return
-        for row in logs.lines:
-            if self.version is not None and logs.covers(self.version) and not row.versions.contains(
-                    self.version, prereleases=True):
-                continue
-            match = row.match(text)
-            if not match:
-                continue
-            proc.events.append((row, body, match if match is not True else None))
+        rows = []
+        if logs.firsts.search(text) is not None:
+            rows = [(row, m) for row in logs.lines if self._may_apply(row) and (m := row.match(text))]
+        proc, body, _ = self.runs.process(text)
+        for row, _ in rows:
+            if self.runs.start(row, self.lines, proc):
+                proc, body, _ = self.runs.process(text)
+                self.version, self.version_from = self.given
+                self.ambiguous = []
+                self.changed = True
+        if self.runs.traceback(proc, body):
             self.changed = True
+        if rows and self.version is None and self._ambiguous(rows, body):
+            rows = [(row, m) for row, m in rows if row.kind != "fell-back"]
+        for row, match in rows:
+            proc.add(row, body, match if match is not True else None)
+            self.changed = True
+            if row.kind in ("ready", "crashed", "died"):
+                self.runs.run.over = True
             if row.kind == "version" and self.version is None:
                 found = match["value"] if match is not True else None
                 try:
@@ -389,31 +111,25 @@ class Analysis:
                 except (InvalidVersion, TypeError):
                     pass
 
-    def _traceback(self, proc: Process, body: str, headed: bool) -> None:
-        if TRACEBACK in body:
-            proc.traceback = Traceback()
-            proc.tracebacks.append(proc.traceback)
-            self.changed = True
-            return
-        tb = proc.traceback
-        if tb is None or not tb.active:
-            return
-        frame = FRAME.match(body)
-        if frame is not None:
-            tb.frame = body.strip()
-            tb.frame_file = frame["file"]
-            return
-        if body[:1].isspace() or not body.strip() or tb.frame is None:
-            return  # the source line under a frame, a caret line
-        tb.exceptions.append(body.strip())
-        tb.active = False
-        self.changed = True
+    def _may_apply(self, row: LogLine) -> bool:
+        logs = self.logs
+        return self.version is None or not logs.covers(self.version) or row.versions.contains(
+            self.version, prereleases=True)
+
+    def _ambiguous(self, rows, body: str) -> bool:
+        """A line that is a fall-back in some releases and not in others, the release not known:
+        say so, and do not count it as one (the lines say no more)."""
+        kinds = {row.kind for row, _ in rows}
+        if "fell-back" not in kinds or len(kinds) == 1:
+            return False
+        if len(self.ambiguous) < MAX_SEEN:
+            meanings = "; ".join(f"{row.kind} in {self.server} {row.versions}" for row, _ in rows)
+            self.ambiguous.append(f"{body} (means {meanings}: --version tells which)")
+        return True
 
     def idle(self) -> None:
-        """--follow found nothing new for a while: a traceback cut short is as complete as it gets."""
-        for proc in self.processes.values():
-            if proc.traceback is not None and proc.traceback.active and proc.traceback.exceptions:
-                proc.traceback.active = False
+        if self.runs is not None:
+            self.runs.idle()
 
     # -- the verdict --
 
@@ -429,17 +145,31 @@ class Analysis:
                 if row.kind == kind and self._applies(row):
                     yield key, proc, row, body, match
 
+    def _fix(self, row_step: str | None, row_fix: str | None, text: str) -> tuple[str | None, str | None]:
+        """The step and fix of a failure line, or of the cause its text names."""
+        cause = self.logs.cause(text)
+        return (cause.step, cause.fix) if cause is not None else (row_step, row_fix)
+
     def report(self, source: str, *, registry=None, timed_out: bool = False) -> LogCheckReport:
+        runs = self.runs
         base = dict(source=source, server=self.server, version=str(self.version) if self.version else None,
-                    version_from=self.version_from if self.version else "", lines=self.lines, timed_out=timed_out)
+                    version_from=self.version_from if self.version else "", lines=self.lines, timed_out=timed_out,
+                    run=runs.run.number if runs else 1, runs=runs.count if runs else 1,
+                    run_line=runs.run.first_line if runs else 1)
         logs = self.logs
-        if logs is None:
+        if runs is None:
+            formats = NAMES[self.server] + "'s" if self.server else "SGLang's or vLLM's"
             return LogCheckReport(**base, verdict=STARTING, final=False,
-                                  summary="no line of SGLang's or vLLM's log format yet: no verdict")
+                                  summary=f"no line of {formats} log format in {counted(self.lines, 'line')}: "
+                                          "no verdict")
         notes = []
         if self.version is None:
             notes.append(f"release not known ({'SGLang does not log its version' if logs.server == 'sglang' else 'no version line in this log'}): "
                          "every known release's lines were used; --version or --python names it")
+        notes += [f"not counted: {a}" for a in self.ambiguous]
+        if runs.count > 1:
+            notes.append(f"the log holds {runs.count} runs of the server: the newest (run {runs.run.number}, from "
+                         f"line {runs.run.first_line}) decides; the earlier ones are over")
         if self.version is not None and not logs.covers(self.version):
             seen = [f"{proc.label}: {body}" for key, proc in self.processes.items() for row, body, _ in proc.events
                     if row.kind not in ("config", "tp", "requested", "version", "progress")]
@@ -464,28 +194,57 @@ class Analysis:
         for _, proc, row, body, _ in self._events("note"):
             notes.append(f"{proc.label}: {body}")
         per_rank = self._per_rank(ranks, ready is not None)
+        more = dict(ranks=per_rank, expected_ranks=expected, notes=notes)
 
         crash = self._crash(registry)
         if crash is not None:
             signature, marker_proc, crash_info = crash
             pending = any(p.traceback is not None and p.traceback.active for p in self.processes.values())
-            step = signature.step if signature else None
-            fix = signature.fix if signature else None
+            step, fix = self._fix(signature.step if signature else None, signature.fix if signature else None,
+                                  crash_info.exception or "")
             where = f" ({marker_proc.label})" if marker_proc.label != MAIN else ""
             summary = f"crashed{where}: {crash_info.exception or crash_info.marker}"
             return LogCheckReport(**base, verdict=CRASHED, final=not pending, summary=summary, step=step, fix=fix,
-                                  message=crash_info.marker, ranks=per_rank, expected_ranks=expected,
-                                  crash=crash_info, notes=notes)
+                                  message=crash_info.marker, crash=crash_info, **more)
 
-        fell = next(iter(sorted(self._events("fell-back"), key=lambda e: not e[1].is_rank)), None)
+        # A death outside Python outranks all but a Python crash (whose traceback says more): native
+        # lines (printed_by) before the launcher's own report of a child gone, ranks before the rest.
+        died = next(iter(sorted(self._events("died"), key=lambda e: (e[2].printed_by is None, not e[1].is_rank))),
+                    None)
+        if died is not None:
+            _, proc, row, body, _ = died
+            where = f" ({proc.label})" if proc.label != MAIN else ""
+            fused_before = any(True for _ in self._events("fused"))
+            step, fix = self._fix(row.step, row.fix, body)
+            return LogCheckReport(**base, verdict=CRASHED, final=True, step=step, fix=fix, message=body,
+                                  summary=f"died outside Python{where}: {body}"
+                                          + ("; fusion had started (the workspace was created)" if fused_before else ""),
+                                  crash=Crash(body, None, None, None, None, row.printed_by), **more)
+
+        # The line that says why on the rank that failed, before another rank's echo of it.
+        fell = next(iter(sorted(self._events("fell-back"), key=lambda e: (e[2].echo, not e[1].is_rank))), None)
         if fell is not None:
             _, proc, row, body, _ = fell
             where = f" on {proc.label}" if proc.label != MAIN else ""
-            return LogCheckReport(**base, verdict=FELL_BACK, final=True, step=row.step, fix=row.fix, message=body,
-                                  summary=f"fell back to unfused allreduce{where}: {body}", ranks=per_rank,
-                                  expected_ranks=expected, notes=notes)
+            step, fix = self._fix(row.step, row.fix, body)
+            return LogCheckReport(**base, verdict=FELL_BACK, final=True, step=step, fix=fix, message=body,
+                                  summary=f"fell back to unfused allreduce{where}: {body}", **more)
 
-        fused = {key: (row, body, match) for key, proc, row, body, match in self._events("fused")}
+        off = next(iter(self._events("off")), None)
+        if off is not None and requested:
+            _, proc, row, body, _ = off
+            return LogCheckReport(**base, verdict=NOT_REQUESTED, final=True, step=row.step, fix=row.fix,
+                                  summary="not fused: fusion was asked for, but a setting of this run keeps it off "
+                                          f"({', '.join(row.message)})", **more)
+
+        fused, plain = {}, {}
+        for key, proc, row, body, match in self._events("fused"):
+            (plain if row.only_if_requested and not requested else fused)[key] = (row, body, match)
+        if plain and not fused:
+            said = ("the settings line does not ask for fusion" if requested is False
+                    else "the settings line is not in this log, so it cannot tell")
+            notes.append(f"FlashInfer's allreduce workspace was created on {counted(len(plain), 'process')}, which "
+                         f"this release also does for plain allreduces without the fusion pass ({said})")
         if fused:
             backends = sorted({(m["backend"] if m is not None and "backend" in m.groupdict() and m["backend"]
                                 else row.backend) or "?" for row, _, m in fused.values()})
@@ -495,53 +254,57 @@ class Analysis:
             if have >= want:
                 when = "" if ready is not None else "; the server has not said it is ready yet"
                 return LogCheckReport(**base, verdict=FUSED, final=ready is not None, backend=backend,
-                                      message=next(iter(fused.values()))[1], ranks=per_rank, expected_ranks=expected,
+                                      message=next(iter(fused.values()))[1],
                                       summary=f"fused: FlashInfer's workspace (backend {backend}) was created on "
-                                              f"every rank ({have} of {want}){when}", notes=notes)
+                                              f"every rank ({have} of {want}){when}", **more)
             if ready is not None:
                 missing = sorted(proc.label for key, proc in ranks.items() if key not in fused)
                 return LogCheckReport(**base, verdict=FELL_BACK, final=True, step="workspace", backend=backend,
                                       fix="a rank without the workspace serves unfused: its own lines above say "
                                           "why; restart the server once they are fixed",
                                       summary=f"fell back: the workspace was created on {have} of {want} ranks"
-                                              + (f" (none on {', '.join(missing)})" if missing else ""),
-                                      ranks=per_rank, expected_ranks=expected, notes=notes)
+                                              + (f" (none on {', '.join(missing)})" if missing else ""), **more)
         if ready is not None:
             if requested:
                 if tp == 1:
                     return LogCheckReport(**base, verdict=FELL_BACK, final=True, step="tp",
                                           fix="fusion fuses tensor-parallel allreduces: it needs TP 2 or more",
-                                          summary="fell back: fusion was asked for at TP 1 (nothing to fuse)",
-                                          ranks=per_rank, expected_ranks=expected, notes=notes)
+                                          summary="fell back: fusion was asked for at TP 1 (nothing to fuse)", **more)
+                lazy = next(iter(self._events("lazy")), None)
+                if lazy is not None and next(iter(self._events("request")), None) is None:
+                    return LogCheckReport(**base, verdict=STARTING, final=False,
+                                          summary="not known until the first request: with "
+                                                  f"{', '.join(lazy[2].message)} this release creates the workspace "
+                                                  "at the first fused call, and no request was served yet", **more)
                 quiet = next((q for q in logs.quiet if self.version is None
                               or q.versions.contains(self.version, prereleases=True)), None)
                 if quiet is not None and quiet.fused and self.version is not None:
-                    return LogCheckReport(**base, verdict=FUSED, final=True, ranks=per_rank, expected_ranks=expected,
-                                          summary=f"fused, by what the log leaves out: {quiet.fused}", notes=notes)
+                    return LogCheckReport(**base, verdict=FUSED, final=True,
+                                          summary=f"fused, by what the log leaves out: {quiet.fused}", **more)
                 return LogCheckReport(**base, verdict=FELL_BACK, final=True, step=quiet.step if quiet else None,
-                                      fix=quiet.fix if quiet else None, ranks=per_rank, expected_ranks=expected,
+                                      fix=quiet.fix if quiet else None,
                                       summary="fell back: fusion was asked for, the server is ready, and no rank "
-                                              "logged FlashInfer's workspace", notes=notes)
+                                              "logged FlashInfer's workspace", **more)
             flag = self._flag(registry)
             said = ("the settings line does not ask for fusion" if requested is False
                     else "the settings line is not in this log (rotated away?)")
             return LogCheckReport(**base, verdict=NOT_REQUESTED, final=True, step="requested", fix=flag,
                                   summary=f"not requested: the server is ready and no fusion line came ({said})",
-                                  ranks=per_rank, expected_ranks=expected, notes=notes)
+                                  **more)
         stage = None
         for proc in self.processes.values():
             for row, _, _ in proc.events:
                 if row.kind == "progress" and self._applies(row):
                     stage = row.stage
         partial = f"; the workspace on {counted(len(fused), 'rank')} so far" if fused else ""
-        return LogCheckReport(**base, verdict=STARTING, final=False, ranks=per_rank, expected_ranks=expected,
+        return LogCheckReport(**base, verdict=STARTING, final=False,
                               summary=f"still starting ({stage or 'no start-up stage logged yet'}{partial}): "
-                                      "no verdict yet", notes=notes)
+                                      "no verdict yet", **more)
 
     def _per_rank(self, ranks: dict, ready: bool) -> list[RankVerdict]:
         out = []
         for key, proc in ranks.items():
-            verdict, detail = STARTING, "no fusion line yet"
+            verdict, detail, cause = STARTING, "no fusion line yet", False
             for row, body, match in proc.events:
                 if not self._applies(row):
                     continue
@@ -549,9 +312,9 @@ class Analysis:
                     detail = row.stage
                 elif row.kind == "fused" and verdict in (STARTING,):
                     verdict, detail = FUSED, body
-                elif row.kind == "fell-back" and verdict != CRASHED:
-                    verdict, detail = FELL_BACK, body
-                elif row.kind == "crashed":
+                elif row.kind == "fell-back" and verdict != CRASHED and not (cause and row.echo):
+                    verdict, detail, cause = FELL_BACK, body, not row.echo
+                elif row.kind in ("crashed", "died"):
                     verdict, detail = CRASHED, body
             if verdict == CRASHED and proc.tracebacks and proc.tracebacks[-1].exceptions:
                 detail = proc.tracebacks[-1].exceptions[-1]
@@ -620,6 +383,7 @@ def _patched_by(frame_file: str, registry) -> str | None:
     return "; ".join(found) or None
 
 
+
 # -- the command ------------------------------------------------------------------------------------
 
 class CheckLogRequest(NamedTuple):
@@ -663,13 +427,12 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             version = Version(raw_version.lstrip("v"))
         except InvalidVersion:
             raise UsageError(f"--version {raw_version!r} is not a release number (e.g. 0.5.9)") from None
-        if not server:
-            raise UsageError("--version names a release of which server? give --server sglang or --server vllm")
-    data = {name: load_logs(name) for name in ([server] if server else SERVERS)}
+    # Without --server, the lines' format says which server (a --version is that server's release).
+    data = {name: load_logs(name) for name in SERVERS}
     analysis = Analysis(data, server, version, version_from)
     source = request.source
-    deadline = time.monotonic() + request.timeout if request.follow else None
-
+    started = time.monotonic()
+    deadline = started + request.timeout
     predicted = _predicted(request.python, server) if request.python else None
 
     def finish(timed_out: bool = False) -> LogCheckReport:
@@ -677,7 +440,7 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
         report.predicted = predicted
         if predicted is not None and report.step and report.verdict != FUSED:
             # The log names the step; the chain of this environment has its exact command, or
-            # judges that step open, which means the server did not run from this environment.
+            # judges that step open, which means the server did not run from that environment.
             step = predicted.step(report.step)
             if step.result is StepResult.BLOCKS and step.fix:
                 report.fix = f"{report.fix or step.text} — here: `{step.fix}`"
@@ -686,52 +449,36 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
                                                f"({step.text}): did the server run from that environment?"]
         return report
 
-    if source == "-":
-        lines = _stdin_lines(deadline)
-    else:
-        path = Path(source)
-        if request.follow:
-            lines = Follower(path)
-        else:
-            try:
-                handle = open(path, "rb")  # noqa: SIM115 - closed when the generator is
-            except FileNotFoundError:
-                raise UsageError(f"no such file: {source}", hint="--follow waits for a log that does not exist yet") from None
-            except IsADirectoryError:
-                raise UsageError(f"{source} is a directory, not a log file") from None
-            except OSError as exc:
-                raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
-            lines = _stream_closing(handle)
+    # --follow: the first final verdict once what was there is read (the newest run decides);
+    # a pipe or FIFO, followed or not, ends at its writer's close or at the deadline.
+    lines = open_lines(source, follow=request.follow, deadline=deadline)
     idle_since = None
+    caught_up = False
     try:
-        for raw in lines:
-            if raw is None:
+        for text in lines:
+            if text is None:
                 now = time.monotonic()
+                caught_up = True
                 idle_since = idle_since or now
                 if now - idle_since >= IDLE_CRASH_S:
                     analysis.idle()
                     analysis.changed = True
             else:
                 idle_since = None
-                analysis.feed(raw)
-            if deadline is not None and analysis.changed:
+                analysis.feed(text)
+            if request.follow and caught_up and analysis.changed:
                 analysis.changed = False
                 report = finish()
                 if on_event is not None:
                     on_event(report)
                 if report.final:
                     return report
-            if deadline is not None and time.monotonic() >= deadline:
+            if (request.follow or text is None) and time.monotonic() >= deadline:
                 return finish(timed_out=True)
     except OSError as exc:
         raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
     analysis.idle()
     return finish()
-
-
-def _stream_closing(handle) -> Iterator[bytes]:
-    with handle:
-        yield from _stream(handle)
 
 
 __all__ = ["CheckLogRequest", "check_log", "load_logs", "parse_logs", "Sm120PatchError"]

@@ -812,13 +812,16 @@ def render_log_check(report) -> str:
     what = report.server or "the server"
     release = f"{what} {report.version} (from {report.version_from})" if report.version else what
     lines = [f"{report.source}: {release}, {counted(report.lines, 'line')} read"]
+    if report.runs > 1:
+        lines.append(f"run {report.run} of {report.runs} (from line {report.run_line}): the newest run decides")
     if report.ranks:
         expected = f" of {report.expected_ranks}" if report.expected_ranks is not None else ""
         lines.append(f"ranks ({len(report.ranks)}{expected} seen):")
         lines += [f"  {r.rank}: {r.verdict}: {r.detail}" for r in report.ranks]
     if report.crash is not None:
         c = report.crash
-        lines.append(f"  the server's line: {c.marker}")
+        lines.append(f"  the server's line: {c.marker}" if c.printed_by is None
+                     else f"  the line ({c.printed_by}): {c.marker}")
         if c.exception:
             lines.append(f"  exception: {c.exception}")
         if c.frame:
@@ -851,5 +854,6 @@ def log_check_json(report) -> dict:
             "backend": report.backend, "expected_ranks": report.expected_ranks,
             "ranks": [r._asdict() for r in report.ranks], "crash": crash, "notes": list(report.notes),
             "seen": list(report.seen), "lines": report.lines, "timed_out": report.timed_out,
+            "run": report.run, "runs": report.runs, "run_line": report.run_line,
             "predicted": chain_json(report.predicted) if report.predicted is not None else None,
             "exit_code": int(report.exit_code)}

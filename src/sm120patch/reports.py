@@ -204,6 +204,7 @@ class Crash(NamedTuple):
     frame: str | None = None  # its last frame: 'File "...", line N, in f'
     frame_file: str | None = None
     patched_by: str | None = None  # "sglang: backend-resolve, ..." when sm120patch patches that file
+    printed_by: str | None = None  # a death outside Python: who prints the line (libtorch, the shell)
 
 
 class RankVerdict(NamedTuple):
@@ -236,6 +237,9 @@ class LogCheckReport:
     seen: Sequence[str] = ()  # an unknown release: the fusion-related lines that were there
     lines: int = 0
     timed_out: bool = False
+    run: int = 1  # the run of the server the verdict is about (the newest in the log) ...
+    runs: int = 1  # ... of how many the log holds
+    run_line: int = 1  # the line that run begins at
     predicted: Chain | None = None  # --python: what status judges for this server's environment
     errors = ()
 
