@@ -187,7 +187,7 @@ def test_list_shows_every_distribution_and_json_agrees():
     doc = json.loads(run_cli("list", "--json").output)
     assert set(doc) >= {"flashinfer-python", "sglang"}
     assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.4.toml"
-    assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem"]
+    assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem", "tuned-limits", "tuned-oneshot"]
 
 
 def test_dry_runs_say_what_the_jit_cache_and_a_revert_would_lose_and_change_nothing(sm120patch, serving_env):
