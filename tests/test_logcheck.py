@@ -54,7 +54,7 @@ def test_every_message_fragment_is_in_the_lowest_and_highest_release_of_its_rang
     logs = load_logs(server)
     checked = 0
     native = [row for row in logs.lines if row.printed_by is not None]  # common-logs.toml: in no wheel
-    assert native and all(row.kind == "died" for row in native)
+    assert native and all(row.kind == "died" or row.printed_by.startswith("sm120patch's") for row in native)
     for row in logs.lines:
         if row.printed_by is not None:
             continue
@@ -895,3 +895,28 @@ def test_each_death_outside_python_after_a_fused_start(tmp_path, server, line, p
     assert code == 1 and doc["verdict"] == "crashed" and doc["summary"].startswith("died outside Python"), doc
     assert "fusion had started" in doc["summary"] and doc["fix"], doc
     assert (doc["crash"]["printed_by"] or "").startswith(printed_by) if printed_by else doc["crash"]["printed_by"] is None
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_the_tuned_limits_a_server_took_are_reported(tmp_path, server):
+    """The line sm120patch's tuned-limits patch makes every rank print (the inserted code's own
+    words, `_sm120patch_said`) is reported once, with the ranks that printed it; a fused run stays
+    fused."""
+    from sm120patch import _tuned_runtime as rt
+
+    version, run = RUNS[server]
+    entry = {"fused_max_bytes": 131072, "oneshot_max_bytes": 65536, "created": "2026-12-05T01:30:00Z"}
+    took = rt._sm120patch_said(entry, "", 2)
+    kept = rt._sm120patch_said(None, "no profile at /etc/sm120patch/tuned-limits.json", 2)
+    for said in (took, kept):
+        if server == "sglang":
+            lines = "".join(sglang_line(version, f" TP{r}", said) for r in (0, 1))
+        else:
+            lines = "".join(vllm_line(version, f"Worker_TP{r}", "allreduce_rms_fusion.py", said) for r in (0, 1))
+        text = run(version, "fused")
+        at = text.index("\n", text.index("fusion workspace" if server == "vllm" else "workspace")) + 1
+        args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+        code, doc = check(tmp_path, text[:at] + lines + text[at:], *args)
+        assert code == 0 and doc["verdict"] == "fused", doc
+        mine = [n for n in doc["notes"] if said in n]
+        assert len(mine) == 1 and mine[0].startswith("TP0, TP1: " if server == "sglang" else "Worker_TP0, Worker_TP1: "), doc["notes"]

@@ -191,8 +191,11 @@ class Analysis:
                     notes.append(note.text)
         if kernel:
             notes.append("the fusion pass replaced patterns: " + ", ".join(f"{label}: {n}" for label, n in kernel))
+        # A line every rank prints (sm120patch's tuned limits) is one note naming its ranks.
+        said: dict[str, list[str]] = {}
         for _, proc, row, body, _ in self._events("note"):
-            notes.append(f"{proc.label}: {body}")
+            said.setdefault(body, []).append(proc.label)
+        notes += [f"{', '.join(dict.fromkeys(labels))}: {body}" for body, labels in said.items()]
         per_rank = self._per_rank(ranks, ready is not None)
         more = dict(ranks=per_rank, expected_ranks=expected, notes=notes)
 
