@@ -11,6 +11,7 @@ below imports at its top (tests/test_layers.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -69,11 +70,8 @@ def handle(exc: BaseException) -> int:
         command = exc.ctx.command_path if exc.ctx else "sm120patch"
         click.echo(f"hint: `{command} --help` lists the options, with examples", err=True)
         return int(ExitCode.USAGE)
-    if isinstance(exc, BrokenPipeError):  # `sm120patch diff | head`: a closed pipe is not an error
-        try:
-            sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - nothing more may reach the closed pipe
-        except OSError:
-            pass
+    if isinstance(exc, BrokenPipeError):  # `--help | head`: a closed pipe is not an error (emit() keeps the code)
+        _stdout_closed()
         return 0
     if isinstance(exc, (KeyboardInterrupt, click.Abort, signals.Interrupted)):
         signum = getattr(exc, "signum", int(signal.SIGINT))
@@ -99,8 +97,8 @@ class Command(click.Command):
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
-                click.echo(json.dumps({"error": {"message": exc.message, "hint": exc.hint_line,
-                                                 "exit_code": int(exc.exit_code)}}, indent=2))
+                emit(json.dumps({"error": {"message": exc.message, "hint": exc.hint_line,
+                                           "exit_code": int(exc.exit_code)}}, indent=2))
             raise
 
 
@@ -137,10 +135,25 @@ class Group(click.Group):
 _emitted = False  # whether the command printed its document (an error then adds none)
 
 
+def _stdout_closed() -> None:
+    """The reader of stdout went away (`status | head -3`): what is still to be printed, and the
+    interpreter's flush at exit, go to /dev/null, so the command ends quietly with its own exit
+    code (a pipeline's `pipefail` and Ansible read it), never a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout file descriptor at all (an embedding): nothing to protect
+        pass
+
+
 def emit(text: str, *, nl: bool = True) -> None:
     global _emitted
     if text:
-        click.echo(text, nl=nl)
+        try:
+            click.echo(text, nl=nl)
+        except BrokenPipeError:
+            _stdout_closed()
         _emitted = True
 
 
