@@ -130,7 +130,8 @@ def test_the_diff_help_example_applies_the_diff_by_hand(serving_env, shell, tmp_
     home.mkdir()
     (home / "ml-env").symlink_to(serving_env.root)
     examples = run_cli("diff", "--help").output.split("Examples:\n")[1].split("\n\n")[0]
-    lines = [line.strip().split("   # ")[0] for line in examples.splitlines()]
+    # One command per line, or over several ending in a backslash; a comment on a line of its own.
+    lines = [c.strip() for c in re.split(r"(?<!\\)\n", examples) if c.strip() and not c.strip().startswith("#")]
     assert len(lines) == 2 and lines[1].startswith("patch -p1")
     for line in lines:
         ran = shell(f"HOME={home}; {line}", cwd=tmp_path)
@@ -266,7 +267,8 @@ def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only
 def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, changes):
     """A command that changes nothing does not promise a rollback of a change it never makes."""
     text = run_cli(command, "--help").output
-    line = next(line for line in text.splitlines() if line.strip().startswith("130"))
+    codes = text.split("Exit codes:")[1]
+    line = " ".join(codes[codes.index("130 "):].split())  # the last code, its lines (wrapped at 80 columns) joined
     assert ("the change in progress was rolled back" in line) == changes
     assert ("nothing of the environment was changed" in line) == (not changes)
 

@@ -4,13 +4,105 @@ colour on a terminal only, and --json documents of one shape."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import pty
+import re
+import shlex
+import shutil
+import struct
 import subprocess
 import sys
+import tempfile
+import termios
+from pathlib import Path
 
-from helpers import changed
+import click
+import pytest
+
+from helpers import changed, run_cli
+from sm120patch.cli import cli
 from sm120patch.errors import ExitCode
+from sm120patch.render import COMMON_KEYS
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
+
+
+def run(*argv: str, **environ: str) -> subprocess.CompletedProcess:
+    """sm120patch in a process of its own, as a script runs it (it reads this test's data dir),
+    its stdout a pipe; ``environ``: variables added to its environment."""
+    return subprocess.run([sys.executable, "-m", "sm120patch", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **environ})
+
+
+def on_a_terminal(*argv: str, columns: int = 80, **environ: str) -> tuple[int, str]:
+    """sm120patch with its stdout and stderr a terminal (a pty) ``columns`` wide, no $COLUMNS:
+    (its exit code, what the terminal showed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "sm120patch", *argv], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, env={**os.environ, **environ})
+    os.close(slave)
+    shown = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the program's end of the terminal is closed
+            break
+        if not data:
+            break
+        shown.append(data)
+    os.close(master)
+    return proc.wait(timeout=120), b"".join(shown).decode().replace("\r\n", "\n")
+
+
+def commands_in(text: str) -> set[str]:
+    return set(re.findall(r"`[^`\n]+`", text))
+
+
+@pytest.fixture
+def short_env(read_only_env, monkeypatch):
+    """The shared real-wheel environment under a path as short as a user's (~/ml-env), so that a
+    command fits 80 columns whole (a test's own paths alone are longer), its JIT cache base the HOME."""
+    short = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    (short / "env").symlink_to(read_only_env.root)
+    (short / "h").mkdir()
+    monkeypatch.setenv("HOME", str(short / "h"))
+    yield ["--python", str(short / "env" / "bin" / "python")]
+    shutil.rmtree(short)
+
+
+def test_status_fits_80_columns_and_never_breaks_a_command(short_env):
+    argv = ["status", *short_env]
+    plain = run(*argv)  # a pipe: one line per item, for grep and scripts
+    assert any(len(line) > 80 for line in plain.stdout.splitlines())  # so that the width below means something
+    wrapped = run(*argv, COLUMNS="80")
+    assert wrapped.returncode == plain.returncode == ExitCode.NOT_OK
+    lines = wrapped.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
+    assert all(line.count("`") % 2 == 0 for line in lines)  # every command opens and closes on one line
+    assert commands_in(plain.stdout) and commands_in(plain.stdout) == commands_in(wrapped.stdout)
+    assert sorted(wrapped.stdout.split()) == sorted(plain.stdout.split())  # the same words: only the lines differ
+    assert "\x1b[" not in plain.stdout + wrapped.stdout  # no colour where stdout is no terminal
+    # --brief: the answer alone, one line per server; wrapped on a terminal, a command kept whole.
+    document = json.loads(run(*argv, "--json").stdout)
+    headline = next(d for d in document["distributions"] if d["name"] == "sglang")["fusion"]["headline"]
+    brief = run(*argv, "--brief")
+    assert (brief.returncode, brief.stdout) == (ExitCode.NOT_OK, headline + "\n")
+    brief = run(*argv, "--brief", COLUMNS="80").stdout.splitlines()
+    assert " ".join(brief).split() == headline.split() and max(map(len, brief)) <= 80
+    assert commands_in("\n".join(brief)) == commands_in(headline)
+
+
+def test_verdicts_in_colour_on_a_terminal_only_and_never_under_no_color(short_env):
+    argv = ["status", *short_env]
+    code, shown = on_a_terminal(*argv)
+    assert code == ExitCode.NOT_OK
+    assert click.style("will not fuse", fg="red", bold=True) in shown
+    lines = click.unstyle(shown).splitlines()
+    assert max(map(len, lines)) <= 80 and all(line.count("`") % 2 == 0 for line in lines)  # the terminal's width
+    code, shown = on_a_terminal(*argv, "--brief", NO_COLOR="1")
+    assert code == ExitCode.NOT_OK and "\x1b[" not in shown and "will not fuse" in shown
 
 
 def closed_pipe(argv: list[str]) -> subprocess.CompletedProcess:
@@ -38,3 +130,66 @@ def test_a_closed_stdout_ends_quietly_with_the_exit_code_the_command_would_have_
     assert "[9, 10, 12]" in (toy.site / "toyfuse" / "comm.py").read_text()  # the change was made, all of it
     proc = closed_pipe(["status", *target])  # patched now: 0, where a closed pipe must not make it 1
     assert (proc.returncode, proc.stderr) == (ExitCode.OK, "")
+
+
+def json_commands(group=None, prefix=()) -> dict[str, click.Command]:
+    """Every command that takes --json, by its words ("check-log", "manifest build")."""
+    group = group or cli
+    found = {}
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found.update(json_commands(command, (*prefix, name)))
+        elif any(p.name == "as_json" for p in command.params):
+            found[" ".join((*prefix, name))] = command
+    return found
+
+
+def test_every_json_document_carries_the_same_top_level_keys_and_next_as_objects(toy, tmp_path):
+    python = str(toy.venv / "bin" / "python")
+    log = tmp_path / "server.log"
+    log.write_text("")
+    target = ["--python", python, "--jit-cache-base", str(toy.home)]
+    argv = {"status": target, "apply": [*target, "--dry-run"], "revert": [*target, "--dry-run"], "build": target,
+            "verify": target, "doctor": target, "bench": ["--python", python], "check-log": [str(log)],
+            "list": ["--python", python]}
+    assert set(json_commands()) == set(argv)  # a new --json command gets its line here
+    before = toy.snapshot()
+    codes = set()
+    for command, args in argv.items():
+        result = run(*command.split(), *args, "--json")
+        document = json.loads(result.stdout)
+        assert tuple(document)[:len(COMMON_KEYS)] == COMMON_KEYS, (command, list(document))
+        assert document["command"] == command and document["exit_code"] == result.returncode, command
+        assert all(set(step) == {"command", "reason"} for step in document["next"]), command
+        codes.add(result.returncode)
+    assert len(codes) > 1  # reports and refusals alike (build refuses the unpatched toy; bench finds no torch)
+    assert changed(before, toy.snapshot()) == []
+    # The next step is a command a script can run as it is.
+
+    (step,) = json.loads(run("status", *target, "--json").stdout)["next"]
+    assert step["command"] == shlex.join(["sm120patch", "apply", *target]) and "`" not in step["command"]
+
+
+def test_quiet_is_taken_after_the_command_name_too(toy):
+    python = str(toy.venv / "bin" / "python")
+    for words in json_commands():
+        assert "-q" in run_cli(*words.split(), "--help").stdout, words
+    result = run("status", "--python", python, "--jit-cache-base", str(toy.home), "-q")
+    assert (result.returncode, result.stdout, result.stderr) == (ExitCode.NOT_OK, "", "")
+    assert run_cli("list", "-q").output == ""
+
+
+def test_every_help_fits_80_columns_with_every_exit_code(monkeypatch):
+    """`--help` in tmux at 80 columns: no line wider (exit codes wrapped under their text, a long
+    example continued with a backslash), and each command's codes still listed."""
+    def commands(group, words=()):
+        yield words
+        for name, command in group.commands.items():
+            yield from commands(command, (*words, name)) if isinstance(command, click.Group) else [(*words, name)]
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for words in commands(cli):
+        text = run_cli(*words, "--help").output
+        wide = [line for line in text.splitlines() if len(line) > 80]
+        assert wide == [], (words, wide)
+    assert "  1   a fused result differs from the reference" in run_cli("bench", "--help").output

@@ -22,7 +22,8 @@ The steps, in the order a start-up meets them (their ids are also the ``step`` o
 
 Each step is ``ok``, ``blocks`` or ``unknown``, with its reason and, where it blocks, the
 command that fixes it. The headline is one sentence; it never says "will fuse" while any step
-blocks or is unknown.
+blocks or is unknown, and while the GPUs are not known (status never reads them) it says "will fuse
+on an SM120 GPU" and names the command that reads this machine's (doctor).
 """
 
 from __future__ import annotations
@@ -117,14 +118,32 @@ class Chain(NamedTuple):
         # An option is quoted as it can be copied; a condition in words (vLLM's pass-config size) is not.
         when = (f" when started with {' and '.join(f'`{c}`' if c.startswith('-') else c for c in conditions)}"
                 if conditions else "")
+        device = self.step("device")
+        if device.result is StepResult.UNKNOWN:
+            # Every step but the GPUs holds: the sentence is about an SM120 GPU, and says where this
+            # machine's are read (status never reads them; doctor does, when the driver answers).
+            where = "on an SM120 GPU"
         sentence = f"{self.server} will fuse {where}{when}"
         if not conditions:
             sentence += f" without a flag: {self.step('requested').text}"
         jit = self.step("jit")
-        return sentence + (f"; {jit.note}" if jit.note else "")
+        sentence += f"; {jit.note}" if jit.note else ""
+        if device.result is StepResult.UNKNOWN:
+            sentence += (f" — this machine's GPUs: `{device.fix}`" if device.fix
+                         else f" — this machine's GPUs are not known: {device.text}")
+        return sentence
 
 
-def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
+class NextStep(NamedTuple):
+    """One thing to do next: the command to run (None where it is not an sm120patch command, such
+    as restarting the server), why, and the words the screen says it in (``--json`` has the first two)."""
+
+    command: str | None
+    reason: str
+    words: str
+
+
+def next_step(chains: Sequence[Chain]) -> tuple[NextStep, ...]:
     """What to do next, in order, from the first server's chain that is not done (empty: no
     server is installed): the fix of what blocks, what reads what is not known, else the build
     a cold JIT cache wants, the start, and the log check. Each is its own line on the screen, so
@@ -132,15 +151,20 @@ def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
     for item in chains:
         step = item.blocking or item.unknown
         if step is not None:
-            return (f"`{step.fix}`" if step.fix else f"{item.server}: {step.text}",)
+            reason = f"{item.server}: {step.text}"
+            return (NextStep(step.fix, reason, f"`{step.fix}`") if step.fix else NextStep(None, reason, reason),)
     if not chains:
         return ()
     item = chains[0]
     jit = item.step("jit")
+    flags = " and ".join(item.conditions)
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
-    return ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
-        start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
+    build = "compiles trtllm_comm now, so that the start does not"
+    return ((NextStep(jit.fix, build, f"`{jit.fix}` ({build})"),) if jit.fix else ()) + (
+        NextStep(None, f"restart the server with {flags}" if flags else "restart the server", start),
+        NextStep(None, "check-log on its log says whether it fused",
+                 "check-log on its log says whether it fused (`sm120patch check-log --help`)"))
 
 
 def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDistribution | None, *,

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -35,10 +36,28 @@ def _selectors() -> list[tuple[str, str]]:
 SELECTORS = _selectors()  # (option, distribution) from patches/*/distribution.toml
 
 
+HELP_WIDTH = 78  # the epilog's lines, which click indents by two: --help fits 80 columns
+
+
+def _example_lines(example: str) -> list[str]:
+    """An example as it fits: its comment on a line above it; a long command continued with a
+    backslash at a space (one with quotes comes split by hand, where a continuation is safe)."""
+    command, _, comment = example.partition("   # ")
+    lines = [f"  # {comment}"] if comment else []
+    if len(command) + 2 <= HELP_WIDTH or "\n" in command or "'" in command or '"' in command:
+        return lines + [f"  {part}" for part in command.split("\n")]
+    parts = textwrap.wrap(command, width=HELP_WIDTH - 4, initial_indent="  ", subsequent_indent="      ",
+                          break_long_words=False, break_on_hyphens=False)
+    return lines + [part + " \\" for part in parts[:-1]] + parts[-1:]
+
+
 def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
-    """A command's examples and its own exit codes, in the layout `--help` keeps (\\b)."""
-    lines = ["\b", "Examples:"] + [f"  {e}" for e in examples] + ["", "\b", "Exit codes:"]
-    lines += [f"  {code:<3} {text}" for code, text in codes]
+    """A command's examples and its own exit codes, in the layout `--help` keeps (\\b), each line
+    within :data:`HELP_WIDTH`."""
+    lines = ["\b", "Examples:"] + [line for e in examples for line in _example_lines(e)] + ["", "\b", "Exit codes:"]
+    lines += [line for code, text in codes
+              for line in textwrap.wrap(text, width=HELP_WIDTH, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6,
+                                        break_long_words=False, break_on_hyphens=False)]
     return "\n".join(lines)
 
 
@@ -90,15 +109,35 @@ def handle(exc: BaseException) -> int:
     raise exc
 
 
+def _command_name(ctx: click.Context) -> str:
+    return ctx.command_path.partition(" ")[2]
+
+
+def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> None:  # noqa: ARG001 - click's callback
+    if value:
+        from sm120patch import progress
+
+        progress.QUIET = True
+
+
 class Command(click.Command):
+    """Every command also takes -q after its name (`sm120patch status -q`), as the group does before it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_quiet,
+                                        help="Print errors only (as `sm120patch -q`): the exit code says the outcome."))
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
-                emit(json.dumps({"error": {"message": exc.message, "hint": exc.hint_line,
-                                           "exit_code": int(exc.exit_code)}}, indent=2))
+                from sm120patch.render import json_document
+
+                error = {"error": {"message": exc.message, "hint": exc.hint_line, "exit_code": int(exc.exit_code)}}
+                emit(json.dumps(json_document(_command_name(ctx), exc.exit_code, error), indent=2))
             raise
 
 
@@ -263,15 +302,17 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     report and its text, a line for stderr, or None), then each error it carries through
     :func:`handle` (the change it reports stands); the command returns the report's exit code,
     which :class:`Group` exits with."""
-    from sm120patch import progress
+    from sm120patch import progress, render
 
-    rendered = json.dumps(document(report), indent=2) if as_json else text(report)
+    ctx = click.get_current_context()
+    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour()  # the text is for this stdout
+    rendered = (json.dumps(render.json_document(_command_name(ctx), report.exit_code, document(report)), indent=2)
+                if as_json else text(report))
     if as_json or not progress.QUIET:
         emit(rendered, nl=nl or as_json)
         said = note(report, rendered) if note is not None else None
         if said:
             click.echo(said, err=True)
-    ctx = click.get_current_context()
     for error in report.errors:
         error.invocation = invocation(ctx)
         handle(error)
@@ -311,14 +352,18 @@ def cli(quiet) -> None:
 @source_option
 @selector_options
 @jit_option
+@click.option("--brief", is_flag=True, help="Only the answer: one line per server, whether it will fuse and what "
+              "stands in the way (on a terminal, wrapped to its width, a command never broken).")
 @json_option
-def status(python, source, jit_cache_base, as_json, **selectors):
+def status(python, source, jit_cache_base, brief, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
+    if brief:
+        return show(pipeline.status(request), as_json, render.render_brief, render.status_json, note=render.brief_note)
     return show(pipeline.status(request), as_json, render.render_status, render.status_json)
 
 
@@ -417,8 +462,8 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
 
 @cli.command(short_help="Print the unified diff apply would make.",
              epilog=epilog(["sm120patch diff --python ~/ml-env/bin/python3 > sm120.patch",
-                            "patch -p1 -d \"$(~/ml-env/bin/python3 -c 'import sysconfig; print(sysconfig.get_path("
-                            "\"purelib\"))')\" < sm120.patch   # the same change by hand"],
+                            "patch -p1 < sm120.patch -d \"$(~/ml-env/bin/python3 \\\n"
+                            "    -c 'import sysconfig; print(sysconfig.get_path(\"purelib\"))')\"   # the same change by hand"],
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
                             (3, "refused: drift, no pinned patch set")]))
 @selector_options
@@ -585,7 +630,7 @@ def export(source, out):
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
              epilog=epilog(["sm120patch list", "sm120patch list --python ~/ml-env/bin/python3",
-                            "sm120patch list --json | jq '.sglang.releases | keys'"], [(0, "printed"), USAGE]))
+                            "sm120patch list --json | jq '.distributions.sglang.releases | keys'"], [(0, "printed"), USAGE]))
 @python_option
 @json_option
 def list_(python, as_json):

@@ -116,6 +116,9 @@ class DoctorReport:
     findings: list[Finding] = field(default_factory=list)
     driver: driver.DriverFacts | None = None
     libcuda: object | None = None  # jitbuild.Libcuda: what FlashInfer's JIT link would take here
+    target: str | None = None  # the interpreter whose environment was examined (the first line)
+    python_version: str = ""
+    chosen_by: str = ""  # without --python: how that interpreter was chosen
 
     errors = ()  # the report says what it could not find
     exit_code = ExitCode.OK  # the report was made
@@ -218,6 +221,7 @@ def doctor(status: Callable[[driver.DriverFacts | None], StatusReport]) -> Docto
 
 
 def examine_environment(report: DoctorReport, status: StatusReport) -> None:
+    report.target, report.python_version, report.chosen_by = status.target, status.python_version, status.chosen_by
     for item in status.trees:
         a, distribution = item.assessment, item.distribution
         verdict = a.verdict
