@@ -63,7 +63,7 @@ def test_a_directory_as_python_hints_the_interpreter_inside_it_quoted(tmp_path, 
     venv = tmp_path / "my envs" / "srv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    for directory in (venv, venv / "bin", site):
+    for directory in (venv / "bin", site):  # the environment's own directory is taken as it is (below)
         result = run_cli("status", "--python", str(directory))
         assert result.exit_code == ExitCode.USAGE
         command = printed(result.output)
@@ -73,6 +73,20 @@ def test_a_directory_as_python_hints_the_interpreter_inside_it_quoted(tmp_path, 
         assert ran.returncode == ExitCode.NOT_OK and "is installed here" in ran.stdout
     plain = run_cli("status", "--python", str(tmp_path))  # no environment there: no made-up path
     assert plain.exit_code == ExitCode.USAGE and str(tmp_path) + "/bin" not in plain.output
+
+
+def test_the_environments_directory_is_taken_and_every_report_names_its_interpreter_first(toy, shell):
+    """`--python ~/ml-env`, as every --help allows: the environment's interpreter is the target,
+    and the first line of status and doctor names it; doctor without --python says how it chose."""
+    python = toy.venv / "bin" / "python3"
+    for command in ("status", "doctor"):
+        ran = shell(shlex.join(["sm120patch", command, "--python", str(toy.venv), "--jit-cache-base", str(toy.home)]))
+        assert ran.stdout.splitlines()[0].startswith(f"Python {python} ("), (command, ran.stdout, ran.stderr)
+        assert ran.returncode == (ExitCode.NOT_OK if command == "status" else ExitCode.OK), ran.stderr
+    chosen = shell(f"VIRTUAL_ENV={shlex.quote(str(toy.venv))} sm120patch doctor --jit-cache-base {shlex.quote(str(toy.home))}")
+    first = chosen.stdout.splitlines()[0]
+    assert first.startswith(f"Python {toy.venv}/bin/python") and "(no --python given: $VIRTUAL_ENV" in first, first
+    assert "toyfuse 1.0: not patched" in chosen.stdout
 
 
 def test_sm120patch_alone_prints_its_help():
