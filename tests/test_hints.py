@@ -295,3 +295,39 @@ def test_a_bad_arch_list_gets_the_same_command_with_a_good_one(read_only_env):
     assert command == f"sm120patch build --python {python} --arch 12.0a"
     again = run_cli(*shlex.split(command)[1:], "--jit-cache-base", str(read_only_env.home))
     assert again.exit_code == 3 and "--arch" not in again.output  # it parses; pristine sources are refused
+
+
+def test_hints_keep_what_was_given_and_say_what_help_lists(toy, shell, tmp_path):
+    """#55: build --arch on an unpatched environment hints apply --build with the same --arch (on an
+    image build, without it the build is for no GPU); apply with --python on an interpreter
+    without any of them does not say "pass --python"; a group's --help lists commands."""
+    python = str(toy.venv / "bin" / "python")
+    before = toy.snapshot()
+    refused = shell(shlex.join(["sm120patch", "build", "--python", python, "--jit-cache-base", str(toy.home),
+                                "--arch", "12.0a"]))
+    assert refused.returncode == ExitCode.REFUSED, refused.stderr
+    assert printed(refused.stderr) == shlex.join(["sm120patch", "apply", "--build", "--python", python,
+                                                  "--jit-cache-base", str(toy.home), "--arch", "12.0a"])
+    assert changed(before, toy.snapshot()) == []
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    nothing = shell(shlex.join(["sm120patch", "apply", "--python", str(bare / "bin" / "python")]))
+    assert nothing.returncode == ExitCode.USAGE and "is installed in" in nothing.stderr
+    assert "pass --python" not in nothing.stderr and "hint: that interpreter is not your server's" in nothing.stderr
+    for words, lists in ((["bogus"], "commands"), (["manifest", "bogus"], "commands"), (["status", "--bogus"], "options")):
+        result = run_cli(*words)
+        assert result.exit_code == ExitCode.USAGE
+        assert f"--help` lists the {lists}, with examples" in result.output, words
+
+
+def test_a_crash_fix_read_with_python_names_that_python_in_every_command(tmp_path, read_only_env):
+    from test_logcheck import check, flashinfer_unpatched_traceback, logged, sglang_line, sglang_settings
+
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    text = sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker)
+    python = str(read_only_env.python)
+    code, doc = check(tmp_path, text, "--python", python)
+    commands = re.findall(r"`(sm120patch [^`]+)`", doc["fix"])
+    assert code == 1 and doc["verdict"] == "crashed" and len(commands) == 2, doc["fix"]
+    assert all(shlex.split(c)[-2:] == ["--python", python] or f"--python {python}" in c for c in commands), commands

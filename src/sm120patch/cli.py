@@ -87,7 +87,9 @@ def handle(exc: BaseException) -> int:
         message = one_line(exc.format_message())
         click.echo(f"sm120patch: error: {message}", err=True)
         command = exc.ctx.command_path if exc.ctx else "sm120patch"
-        click.echo(f"hint: `{command} --help` lists the options, with examples", err=True)
+        # A group's --help (`sm120patch bogus`, `sm120patch manifest bogus`) lists its commands.
+        what = "commands" if exc.ctx is None or isinstance(exc.ctx.command, click.Group) else "options"
+        click.echo(f"hint: `{command} --help` lists the {what}, with examples", err=True)
         return int(ExitCode.USAGE)
     if isinstance(exc, BrokenPipeError):  # `--help | head`: a closed pipe is not an error (emit() keeps the code)
         _stdout_closed()

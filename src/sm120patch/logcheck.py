@@ -27,10 +27,13 @@ from sm120patch.chain import STEPS, StepResult
 from sm120patch.data import data_dir
 from sm120patch.distributions import load_registry, specifier
 from sm120patch.errors import PatchDataError, Sm120PatchError, TransactionError, UsageError
+from sm120patch.invocation import command
 from sm120patch.patchsets import read_toml
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
 from sm120patch.words import counted
+
+_SM120PATCH_COMMAND = re.compile(r"`sm120patch ([^`]*)`")
 
 SERVERS = ("sglang", "vllm")
 KINDS = ("version", "config", "tp", "requested", "progress", "ready", "fused", "kernel", "fell-back", "crashed",
@@ -677,6 +680,10 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             elif step.result is StepResult.OK and report.step not in ("requested", "tp"):
                 report.notes = [*report.notes, f"status judges the {report.step} step open in {request.python} "
                                                f"({step.text}): did the server run from that environment?"]
+        if request.python and report.fix:  # an sm120patch command in the fix, for the environment asked about
+            report.fix = _SM120PATCH_COMMAND.sub(
+                lambda m: m.group(0) if "--python" in m.group(1) else f"`{command(m.group(1), ('--python', request.python))}`",
+                report.fix)
         return report
 
     if source == "-":
