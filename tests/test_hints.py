@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from helpers import COMM, COMMUNICATOR, FLASHINFER_FILES, ROOT, SYMM_MEM, changed, run_cli, snapshot, tree_snapshot
 from sm120patch.errors import ExitCode
@@ -331,3 +332,40 @@ def test_a_crash_fix_read_with_python_names_that_python_in_every_command(tmp_pat
     commands = re.findall(r"`(sm120patch [^`]+)`", doc["fix"])
     assert code == 1 and doc["verdict"] == "crashed" and len(commands) == 2, doc["fix"]
     assert all(shlex.split(c)[-2:] == ["--python", python] or f"--python {python}" in c for c in commands), commands
+
+
+def test_small_truths_of_help_list_and_check_log(tmp_path):
+    """#55 item 8: the top-level exit codes name 5 and check-log's and build's meanings; commands
+    without --python do not describe exit 2 with it; list is in release order; an unmapped
+    release's range is in words; a crash in a file sm120patch does not patch, fixed by apply, says
+    where the fix goes."""
+    from test_logcheck import flashinfer_unpatched_traceback, logged, sglang_line, sglang_settings
+
+    text = run_cli("--help").output.split("Exit codes:")[1]
+    assert {int(m) for m in re.findall(r"^    (\d+) ", text, flags=re.M)} == {0, 1, 2, 3, 4, 5, 130}
+    top = " ".join(text.split())
+    one, three = top.split(" 1 ")[1].split(" 2 ")[0], top.split(" 3 ")[1].split(" 4 ")[0]
+    assert "check-log" in one and "build" in one and "check-log" in three
+    assert "5 check-log: no verdict yet" in top
+    for words in (["export"], ["manifest", "build"], ["manifest", "add"]):
+        codes = " ".join(run_cli(*words, "--help").output.split("Exit codes:")[1].split())
+        assert "2 bad input" in codes and "--python" not in codes, words
+    listed = run_cli("list").output
+    firsts = [re.match(r"  (?:from |before |up to )?(\d+(?:\.\d+)+)", line) for line in listed.splitlines()]
+    by_distribution, current = {}, None
+    for line, first in zip(listed.splitlines(), firsts):
+        if not line.startswith(" "):
+            current = by_distribution.setdefault(line.split()[0], [])
+        elif first and not line.startswith("  before "):
+            current.append(Version(first.group(1)))
+    assert all(v == sorted(v) for v in by_distribution.values()), by_distribution
+    assert by_distribution["flashinfer-python"][0] == Version("0.4.0")
+
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    log = tmp_path / "server.log"
+    log.write_text(sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker))
+    crashed = run_cli("check-log", str(log), "--server", "sglang", "--version", "0.5.9").output
+    assert "a file sm120patch does not patch; the fix below patches the gate that leads here" in crashed
+    unmapped = json.loads(run_cli("check-log", str(log), "--server", "sglang", "--version", "0.5.99", "--json").stdout)
+    assert unmapped["verdict"] == "unknown-release" and "lines for from 0.5.1, up to 0.5.23 " in unmapped["summary"]

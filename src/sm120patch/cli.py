@@ -62,6 +62,7 @@ def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
 
 
 USAGE = (2, "bad input: an option, --python, a version selector, patch data")
+USAGE_NO_TARGET = (2, "bad input: an option or its value")  # the commands that take no --python
 INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change in progress was rolled back")
 # The commands that change nothing in the environment say so instead.
 INTERRUPTED_READING = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); nothing of the environment was changed")
@@ -325,9 +326,13 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
              epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
                             "sm120patch apply --python ~/ml-env/bin/python3",
                             "sm120patch bench --python ~/ml-env/bin/python3"],
-                           [(0, "success"), (1, "status/verify/bench: not patched, or a check failed"), USAGE,
-                            (3, "refused: a file is not the release's bytes, no pinned patch set"),
-                            (4, "failed (I/O, permissions, a lock held); everything was rolled back"), INTERRUPTED]))
+                           [(0, "success"), (1, "status: not patched; verify/bench: a check failed; build (and apply "
+                                                "--build): the build failed; check-log: fell back, not requested or "
+                                                "crashed"), USAGE,
+                            (3, "refused: a file is not the release's bytes, no pinned patch set; check-log: a release "
+                                "whose log lines are not mapped"),
+                            (4, "failed (I/O, permissions, a lock held); everything was rolled back"),
+                            (5, "check-log: no verdict yet (the server is still starting)"), INTERRUPTED]))
 @click.version_option(__version__, prog_name="sm120patch")
 @click.option("-q", "--quiet", is_flag=True,
               help="Print errors only, no report and no progress (scripts, Ansible): the exit code says the outcome. "
@@ -618,7 +623,7 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
 
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
              epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
-                           [(0, "written"), USAGE, (3, "sm120patch made no commit there")]))
+                           [(0, "written"), USAGE_NO_TARGET, (3, "sm120patch made no commit there")]))
 @click.option("--source", metavar="DIR", required=True, help="The git checkout sm120patch committed to.")
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
 def export(source, out):
@@ -661,7 +666,7 @@ def manifest() -> None:
 @manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check",
                                           "sm120patch manifest build --check --distribution vllm"],
                                          [(0, "written, or (--check) identical"), (1, "--check: a manifest differs"),
-                                          USAGE, (4, "a download failed")]))
+                                          USAGE_NO_TARGET, (4, "a download failed")]))
 @click.option("--wheel-cache", metavar="DIR", default=None, help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
 @click.option("--out", metavar="DIR", default=None, help="Write here instead of vendor-manifests/.")
 @click.option("--check", is_flag=True, help="Rebuild and compare with the committed manifests; write nothing.")
@@ -683,7 +688,8 @@ def manifest_build(wheel_cache, out, check, names):
                                         "sm120patch manifest add flashinfer-python --newer --check"],
                                        [(0, "pinned, or already supported (--check: every release is supported)"),
                                         (1, "--check: a release needs a pin that is not written yet"),
-                                        USAGE, (3, "no patch set fits: nothing was written"), (4, "a download failed")]))
+                                        USAGE_NO_TARGET, (3, "no patch set fits: nothing was written"),
+                                        (4, "a download failed")]))
 @click.argument("distribution", metavar="DIST")
 @click.argument("version", required=False, metavar="[VERSION]")
 @click.option("--wheel", "wheel", metavar="FILE", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -31,7 +31,7 @@ from sm120patch.invocation import command
 from sm120patch.patchsets import read_toml
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
-from sm120patch.words import counted
+from sm120patch.words import counted, spec_words
 
 _SM120PATCH_COMMAND = re.compile(r"`sm120patch ([^`]*)`")
 
@@ -444,7 +444,7 @@ class Analysis:
                     if row.kind not in ("config", "tp", "requested", "version", "progress")]
             return LogCheckReport(**base, verdict=UNKNOWN_RELEASE, final=True, seen=seen[:MAX_SEEN],
                                   summary=f"{logs.server} {self.version} is not mapped: sm120patch knows its log "
-                                          f"lines for {logs.versions} (what was seen is below, read with every "
+                                          f"lines for {spec_words(logs.versions)} (what was seen is below, read with every "
                                           "known release's lines)")
         tp = next((int(m["value"]) for _, _, _, _, m in self._events("tp") if m is not None), None)
         requested = None

@@ -11,6 +11,7 @@ import textwrap
 from typing import TYPE_CHECKING, Sequence
 
 import click
+from packaging.version import Version
 
 from sm120patch.assess import Origin, State, Verdict
 from sm120patch.chain import Chain, NextStep, StepResult, next_step
@@ -579,6 +580,11 @@ def diff_note(report: ChangeReport, diff: str) -> str | None:
 
 # -- list -----------------------------------------------------------------------------------------
 
+def _lowest(versions) -> Version:
+    """A range's lowest release (0 where it has no lower bound: "before 0.10.0")."""
+    return min((Version(s.version) for s in versions if s.operator in (">=", ">", "==", "~=")), default=Version("0"))
+
+
 def _ranges(versions) -> str:
     return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
 
@@ -609,16 +615,20 @@ def render_list(registry, installed: dict | None = None, target: str | None = No
                 for ps in sets]
         width = max([28, *(len(r[0]) for r in rows)])
         listed = max([4, *(len(r[2]) for r in rows)])
-        for span, count, required, optional in rows:
-            lines.append(f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
-        for version in distribution.sdist_only:
-            lines.append(f"  {version:<{width}}  sdist only: not supported (no RECORD to check against)")
-        for uncovered in distribution.not_covered:
-            lines.append(f"  {_spec_words(uncovered.versions):<{width}}  not covered: {uncovered.reason}")
-        for exempt in distribution.nothing_to_patch:
-            lines.append(f"  {_spec_words(exempt.versions):<{width}}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
+        # Every row in release order (a patch set's first release, a range's lowest bound), so that
+        # the releases too old for a wheel come first, not after the newest patch set.
+        ordered = [(min(ps.versions), f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
+                   for ps, (span, count, required, optional) in zip(sets, rows)]
+        ordered += [(Version(version), f"  {version:<{width}}  sdist only: not supported (no RECORD to check against)")
+                    for version in distribution.sdist_only]
+        ordered += [(_lowest(uncovered.versions), f"  {_spec_words(uncovered.versions):<{width}}  not covered: "
+                     f"{uncovered.reason}") for uncovered in distribution.not_covered]
+        ordered += [(_lowest(exempt.versions), f"  {_spec_words(exempt.versions):<{width}}  nothing to patch: "
+                     f"{exempt.reason.replace(' {version}', '')}") for exempt in distribution.nothing_to_patch]
         if fixed:
-            lines.append(f"  {str(fixed) + ' and later':<{width}}  native SM120 support: nothing to patch")
+            ordered.append((Version(str(fixed)), f"  {str(fixed) + ' and later':<{width}}  native SM120 support: "
+                            "nothing to patch"))
+        lines += [line for _, line in sorted(ordered, key=lambda row: row[0])]
     return fit("\n".join(lines))
 
 
@@ -879,8 +889,10 @@ def render_log_check(report) -> str:
             lines.append(f"  exception: {c.exception}")
         if c.frame:
             lines.append(f"  last frame: {c.frame}")
+            # Not patched here, yet a fix may still be sm120patch's: the gate that led to this frame.
             lines.append(f"    sm120patch patches this file ({c.patched_by})" if c.patched_by
-                         else "    a file sm120patch does not patch")
+                         else "    a file sm120patch does not patch; the fix below patches the gate that leads here"
+                         if "sm120patch apply" in (report.fix or "") else "    a file sm120patch does not patch")
     for seen in report.seen:
         lines.append(f"  seen: {seen}")
     for note in report.notes:
