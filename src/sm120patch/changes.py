@@ -5,11 +5,12 @@ stop, the write step, the JIT build, and the report. ``status`` (pipeline) impor
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
 from contextlib import ExitStack
 from typing import Sequence
 
-from sm120patch import jitbuild, jitcache, signals
+from sm120patch import driver, jitbuild, jitcache, signals
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
 from sm120patch.errors import BuildInterrupted, RefusedError, Sm120PatchError, UsageError
@@ -95,6 +96,8 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     if not located.trees and (request.dry_run or not located.orphans()):
         raise _nothing_installed(located, registry, request)
     _selected_ids(located, request.with_ids, registry)
+    if request.build and not request.dry_run:  # before the first write: a build that cannot run refuses the apply
+        _check_build(located, request)
     report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed,
                           chosen_by=located.chosen_by)
     with _hold(located, request):
@@ -159,11 +162,22 @@ def build(request: Request, registry: Registry | None = None) -> ChangeReport:
         if not a.verdict.done:
             raise RefusedError(f"{a.name} {a.raw_version} is {a.verdict.value}: its JIT module would be built from "
                                "sources that are not patched", hint=f"run `{_apply_and_build(located, request)}`")
+    _check_build(located, request)
     report.builds = _build(located, request)
     if not report.builds:
         raise UsageError(f"nothing to build in {located.target}: no installed distribution has a JIT module "
                          "sm120patch patches")
     return report
+
+
+def _check_build(located: Located, request: Request) -> None:
+    """What the build needs (torch, ninja, nvcc, an arch), checked before anything is written or
+    announced: a build that cannot run is refused in one line, changing nothing."""
+    for tree in located.installed:
+        if tree.distribution.verify.jit_spec and tree.distribution.jit_module:
+            given = request.arch or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+            jitbuild.check_build(located.env.executable, tree.distribution.jit_module, request.arch,
+                                 gpus=0 if given else len(driver.query().devices))
 
 
 def _apply_and_build(located: Located, request: Request) -> str:
