@@ -381,7 +381,8 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
                             "sm120patch apply --source ~/src/sglang"],
                            [(0, "patched, or nothing to change"),
                             (1, "--build: the patch was applied; the build failed, could not start or was interrupted"),
-                            USAGE,
+                            (2, "bad input: an option, --python, a version selector, patch data; --build: what the "
+                                "build needs (torch, ninja, nvcc, an arch) is missing: nothing was changed"),
                             (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
                                 "nothing was changed"),
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
@@ -418,7 +419,9 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
                             "sm120patch build --python /opt/venv/bin/python --arch 12.0a   # an image build, no GPU",
                             "sudo sm120patch build --python ~svc/env/bin/python   # builds as svc, in svc's cache"],
                            [(0, "built, and proven to be the entry FlashInfer loads at start"),
-                            (1, "the build failed (its last lines are shown; no half-written entry is left)"), USAGE,
+                            (1, "the build failed (its last lines are shown; no half-written entry is left)"),
+                            (2, "bad input: an option, --python; what the build needs (torch, ninja, nvcc, an arch) "
+                                "is missing"),
                             (3, "refused: FlashInfer is not patched (run `sm120patch apply --build`)"), INTERRUPTED]))
 @python_option
 @arch_option
