@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import pytest
 
-from helpers import changed, run_cli
+from helpers import ROOT, changed, run_cli
 from sm120patch.cli import cli
 from sm120patch.errors import ExitCode
 from sm120patch.render import COMMON_KEYS
@@ -193,3 +193,25 @@ def test_every_help_fits_80_columns_with_every_exit_code(monkeypatch):
         wide = [line for line in text.splitlines() if len(line) > 80]
         assert wide == [], (words, wide)
     assert "  1   a fused result differs from the reference" in run_cli("bench", "--help").output
+
+
+def test_the_readmes_screen_is_what_status_prints_at_80_columns(read_only_env, monkeypatch):
+    """The README's "Is it fusing?" screen, as status prints it for an interpreter path as long as
+    /home/me/ml-env/bin/python3 (so that the lines break where the README's do); and the Quick
+    start says what to do when pipx is missing or ~/.local/bin is not on PATH."""
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("$ sm120patch status --python ~/ml-env/bin/python3            # at 80 columns\n")[1]
+    shown = shown.split("\n$ ")[0].splitlines()
+    short = Path(tempfile.mkdtemp(prefix="", dir="/tmp"))  # /tmp/ and 8 characters
+    try:
+        (short / "e").symlink_to(read_only_env.root)
+        python = str(short / "e" / "bin" / "python3")
+        assert len(python) == len("/home/me/ml-env/bin/python3")
+        monkeypatch.setenv("HOME", str(short))
+        printed = run("status", "--python", python, COLUMNS="80").stdout.replace(python, "/home/me/ml-env/bin/python3")
+    finally:
+        shutil.rmtree(short)
+    printed = re.sub(r"\(3\.\d+\.\d+\)", "(3.11.7)", printed)
+    assert printed.splitlines()[:len(shown)] == shown
+    quick = readme.split("## Quick start")[1].split("## ")[0]
+    assert "\npipx ensurepath " in quick and "No pipx: `python3 -m pip install --user pipx`" in quick
