@@ -215,3 +215,23 @@ def test_the_readmes_screen_is_what_status_prints_at_80_columns(read_only_env, m
     assert printed.splitlines()[:len(shown)] == shown
     quick = readme.split("## Quick start")[1].split("## ")[0]
     assert "\npipx ensurepath " in quick and "No pipx: `python3 -m pip install --user pipx`" in quick
+
+
+# What only the writing commands (and the other commands) need: status, run most, by people and by
+# Ansible, must not pay for them (make bench; docs/benchmarks.md).
+NOT_FOR_STATUS = ("sm120patch.transaction", "sm120patch.write", "sm120patch.plan", "sm120patch.changes",
+                  "sm120patch.jitbuild", "sm120patch.releases", "sm120patch.verify", "sm120patch.logcheck",
+                  "sm120patch.bench", "sm120patch.doctor", "sm120patch.driver", "libcst", "shutil", "ctypes")
+
+
+def test_status_imports_nothing_only_the_other_commands_need(toy):
+    """Wrapping and colour included: status's imports hold none of the writers' modules."""
+    code = ("import sys\nfrom sm120patch.cli import cli\ntry:\n    cli(sys.argv[1:], prog_name='sm120patch')\n"
+            "except SystemExit:\n    pass\nprint(' '.join(sorted(sys.modules)), file=sys.stderr)\n")
+    for extra in ([], ["--brief"], ["--json"]):
+        proc = subprocess.run([sys.executable, "-c", code, "status", "--python", str(toy.venv / "bin" / "python"),
+                               "--jit-cache-base", str(toy.home), *extra], capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": "80"}, timeout=120)
+        loaded = set(proc.stderr.split())
+        assert "sm120patch.render" in loaded and "toyfuse" in proc.stdout, proc.stdout + proc.stderr
+        assert sorted(loaded & set(NOT_FOR_STATUS)) == [], extra
