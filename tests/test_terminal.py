@@ -235,3 +235,18 @@ def test_status_imports_nothing_only_the_other_commands_need(toy):
         loaded = set(proc.stderr.split())
         assert "sm120patch.render" in loaded and "toyfuse" in proc.stdout, proc.stdout + proc.stderr
         assert sorted(loaded & set(NOT_FOR_STATUS)) == [], extra
+
+
+def test_doctor_without_the_driver_does_not_say_it_will_fuse_here(sm120patch):
+    """Where the driver cannot be read, doctor's verdict is about an SM120 GPU, says that this
+    machine's are not known and why, and is not marked ok."""
+    from sm120patch import driver
+
+    facts = driver.query()
+    if facts.devices:
+        pytest.skip("the driver answers on this machine: doctor reads its GPUs")
+    assert sm120patch("apply").exit_code == ExitCode.OK
+    report = sm120patch("doctor").output.splitlines()
+    (line,) = [line for line in report if "sglang 0.5.9 will fuse" in line]
+    assert line.startswith("info  sglang 0.5.9 will fuse on an SM120 GPU when started with "), line
+    assert line.endswith(f" — this machine's GPUs are not known: the driver was not read ({facts.error})"), line

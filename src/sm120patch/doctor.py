@@ -235,7 +235,10 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
             report.add("info", item.pin)
         if item.chain is not None:
             chain = item.chain
-            report.add({"will fuse": "ok", "will not fuse": "warn"}.get(chain.verdict, "info"), chain.headline)
+            # "ok" only where the driver answered for these GPUs: unread, the sentence is about an SM120 GPU.
+            known = chain.step("device").result is not StepResult.UNKNOWN
+            report.add({"will fuse": "ok" if known else "info", "will not fuse": "warn"}.get(chain.verdict, "info"),
+                       chain.headline)
             for step in chain.steps:
                 if step.result is not StepResult.OK:
                     report.add("info", f"  {step.id} {step.result.value}: {step.text}"

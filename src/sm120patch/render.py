@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Sequence
@@ -53,7 +52,12 @@ def terminal_width() -> int | None:
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    if not sys.stdout.isatty():
+        return None
+    try:  # os's, not shutil's: shutil is 3 ms of status's imports (environment.py)
+        return os.get_terminal_size(sys.stdout.fileno()).columns or 80
+    except (OSError, ValueError):
+        return 80
 
 
 def colour() -> bool:
@@ -63,9 +67,9 @@ def colour() -> bool:
 
 def fill(first: str, text: str, hang: str, *, columns: int | None = None) -> list[str]:
     """``text`` after ``first``, wrapped to the terminal's width with ``hang`` before each further
-    line; a command (in backticks) is never broken: where it does not fit after ``hang`` it gets a
-    line of its own, indented two spaces. textwrap does the wrapping (click.wrap_text would break
-    a long word, and a name at its hyphens)."""
+    line; a command (in backticks) and a verdict are never broken: a command that does not fit
+    after ``hang`` gets a line of its own, as far in as it fits. textwrap does the wrapping
+    (click.wrap_text would break a long word, and a name at its hyphens)."""
     columns = columns if columns is not None else COLUMNS
     if columns is None or len(first) + len(text) <= columns:
         return [first + text]
@@ -82,7 +86,7 @@ def _closest(word: str, hang: str, columns: int) -> str:
     return " " * max(2, min(len(hang), columns - len(word))) + word
 
 
-_PREFIX = re.compile(r"( *)((?:[!-] |\d+\. |(?:note|fix|check|next|verdict|step|warning|built|removed): )?)")
+_PREFIX = re.compile(r"( *)((?:[!-] |\d+\. |(?:note|fix|check|next|verdict|step|warning): )?)")
 
 
 def fit(text: str) -> str:
