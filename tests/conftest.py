@@ -101,6 +101,10 @@ def _isolated(monkeypatch, tmp_path_factory):
     home = tmp_path_factory.mktemp("home-of-the-tester")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    # sm120patch wraps its text to $COLUMNS, which pytest-xdist's workers set (to 80): a test that
+    # wants a width sets it (test_terminal.py), every other one reads the unwrapped lines.
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("NO_COLOR", raising=False)
 
 
 # Enough of FlashInfer 0.6.4's dependencies for `flashinfer.jit.comm` (DESIGN.md §5); torch

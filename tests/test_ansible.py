@@ -136,7 +136,7 @@ def test_status_module_reports_facts(ansible, serving_env, tmp_path):
     assert after["patched"] is True and after["exit_code"] == 0
     (fusion,) = after["fusion"]
     assert fusion["verdict"] == "will fuse" and fusion["conditions"] == ["--enable-flashinfer-allreduce-fusion"]
-    assert fusion["headline"].startswith("sglang 0.5.9 will fuse on SM120 when started with")
+    assert fusion["headline"].startswith("sglang 0.5.9 will fuse on an SM120 GPU when started with")
 
 
 def test_the_rollout_role_installs_applies_verifies_and_notifies(ansible, serving_env, tmp_path):

@@ -64,16 +64,30 @@ def test_dry_run_never_builds(sm120patch, serving_env):
     assert changed(before, snapshot(serving_env)) == []
 
 
-def test_a_target_without_torch_is_a_failed_build_and_the_patch_stays(sm120patch, serving_env):
-    """The build cannot start, but the patch was applied: exit 1 (the build failed), not 2
-    ("bad input": nothing was done)."""
+def test_what_the_build_needs_is_checked_before_the_first_write_and_before_it_is_announced(sm120patch, serving_env):
+    """#55 item 6: no torch in the target: apply --build refuses before it patches (exit 2, the
+    environment byte for byte as it was), build refuses before it says it is building, and
+    verify --build says NOT RUN with the reason, on an unpatched environment without starting a build."""
+    before = snapshot(serving_env)
     result = sm120patch("apply", "--build", "--arch", "12.0a")
-    assert result.exit_code == ExitCode.NOT_OK
-    assert "flashinfer-python 0.6.4: patched 6 files" in result.output  # said first: it happened
-    one_clear_error(result.output, "FlashInfer's JIT does not import in")
-    assert "No module named" in result.output
-    # The transaction had committed: the sources are patched, as the error leaves them.
-    assert sm120patch("status").exit_code == ExitCode.OK
+    assert result.exit_code == ExitCode.USAGE
+    one_clear_error(result.output, f"cannot build trtllm_comm: torch is not importable in {serving_env.python}")
+    assert "nothing was changed" in result.output and "patched" not in result.output
+    assert changed(before, snapshot(serving_env)) == []
+    unpatched = sm120patch("verify", "--build")
+    assert unpatched.exit_code == ExitCode.NOT_OK and "building" not in unpatched.output
+    assert "NOT RUN  build    trtllm_comm JIT build (12.0a): not run: flashinfer-python 0.6.4 is not patched" in unpatched.output
+    assert changed(before, snapshot(serving_env)) == []
+    assert sm120patch("apply").exit_code == ExitCode.OK
+    patched = snapshot(serving_env)
+    built = sm120patch("build", "--arch", "12.0a")
+    assert built.exit_code == ExitCode.USAGE and "building trtllm_comm" not in built.output
+    one_clear_error(built.output, "cannot build trtllm_comm: torch is not importable")
+    verified = sm120patch("verify", "--build")
+    assert verified.exit_code == ExitCode.NOT_OK
+    assert "trtllm_comm JIT build (12.0a): not run: torch is not importable in" in verified.output
+    assert "ModuleNotFoundError" not in verified.output
+    assert changed(patched, snapshot(serving_env)) == []
 
 
 def test_no_gpu_and_no_arch_says_to_pass_arch(runtime_env):
@@ -88,12 +102,23 @@ def test_no_gpu_and_no_arch_says_to_pass_arch(runtime_env):
         assert session("revert").exit_code == 0
 
 
+def failing_cuda_home(tmp_path) -> Path:
+    """A CUDA home whose nvcc is there (what the build checks before it starts) and fails every
+    compile: the build starts and fails in FlashInfer's ninja run."""
+    home = tmp_path / "failing-cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'nvcc: a stand-in that compiles nothing' >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    return home
+
+
 def test_a_failed_build_leaves_no_half_written_entry(runtime_env, monkeypatch, tmp_path):
     """The compiler is missing: FlashInfer's ninja run fails; exit 1, its last lines shown, and
     the cache entry the build had started is gone."""
     session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("CUDA_HOME", str(failing_cuda_home(tmp_path)))
     monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("build", "--arch", "12.0a")
@@ -112,7 +137,7 @@ def test_verify_build_reports_a_failed_build(runtime_env, monkeypatch, tmp_path)
     session = Session(runtime_env)
     assert session("apply", "--flashinfer").exit_code == 0
     before = snapshot(runtime_env)
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("CUDA_HOME", str(failing_cuda_home(tmp_path)))
     monkeypatch.setenv("PATH", f"{runtime_env.root / 'bin'}:/usr/bin:/bin")
     try:
         result = session("verify", "--build")

@@ -66,9 +66,11 @@ def test_after_apply_it_names_the_flag_and_that_the_first_start_compiles(sm120pa
     fusion = fusion_of(sm120patch)
     assert fusion["verdict"] == "will fuse"
     assert fusion["conditions"] == [FLAG]
+    # status never reads the GPUs: the sentence is about an SM120 GPU, and names what reads this machine's.
     assert fusion["headline"] == (
-        f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`; its first start compiles "
-        f"trtllm_comm (minutes per rank's first call): `{commands(sm120patch, 'build')}` builds it now")
+        f"sglang {SGLANG_VERSION} will fuse on an SM120 GPU when started with `{FLAG}`; its first start compiles "
+        f"trtllm_comm (minutes per rank's first call): `{commands(sm120patch, 'build')}` builds it now — this "
+        f"machine's GPUs: `{commands(sm120patch, 'doctor')}`")
     assert results(fusion) == {"device": "unknown", "kernel-gates": "ok", "server-gates": "ok", "requested": "ok",
                                "workspace": "ok", "jit": "ok", "tp": "ok"}
     jit = next(s for s in fusion["steps"] if s["id"] == "jit")
@@ -80,7 +82,7 @@ def test_auto_enable_applied_fuses_without_a_flag(sm120patch):
     fusion = fusion_of(sm120patch)
     assert fusion["verdict"] == "will fuse" and fusion["conditions"] == []
     assert fusion["headline"].startswith(
-        f"sglang {SGLANG_VERSION} will fuse on SM120 without a flag: auto-enable applied, on by default on one node at "
+        f"sglang {SGLANG_VERSION} will fuse on an SM120 GPU without a flag: auto-enable applied, on by default on one node at "
         f"TP2, for the models SGLang auto-enables fusion for (TP4 and TP8 still need the flag); otherwise with {FLAG};")
 
 
@@ -89,7 +91,8 @@ def test_a_built_entry_drops_the_first_start_note_and_a_stale_one_blocks_until_a
     assert sm120patch("apply").exit_code == 0
     env.seed_jit(archs=("120a",), modules=("trtllm_comm",))
     fusion = fusion_of(sm120patch)
-    assert fusion["headline"] == f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`"
+    assert fusion["headline"] == (f"sglang {SGLANG_VERSION} will fuse on an SM120 GPU when started with `{FLAG}` — "
+                                  f"this machine's GPUs: `{commands(sm120patch, 'doctor')}`")
     jit = next(s for s in fusion["steps"] if s["id"] == "jit")
     assert jit["result"] == "ok" and jit["text"].endswith(" for 120a") and jit["note"] is None
 
@@ -169,7 +172,12 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
     assert all(len(line) <= 100 for line in last[2:]), last  # the prose; a command is never wrapped
     assert run_cli("check-log", "--help").exit_code == 0
     assert sm120patch("status").output.splitlines()[-4:] == last
-    assert json.loads(sm120patch("status", "--json").output)["next"] == [line[9:] for line in last]
+    assert json.loads(sm120patch("status", "--json").output)["next"] == [
+        {"command": commands(sm120patch, "build"), "reason": "compiles trtllm_comm now, so that the start does not"},
+        {"command": commands(sm120patch, "bench --tune"),
+         "reason": "measures where fusion wins on these GPUs; `apply --with tuned-limits` then keeps the server to it"},
+        {"command": None, "reason": f"restart the server with {FLAG}"},
+        {"command": None, "reason": "check-log on its log says whether it fused"}]
 
 
 def test_the_tp_step_says_which_limits_are_in_force(sm120patch, tmp_path, monkeypatch):
@@ -264,3 +272,24 @@ def test_the_field_reports_hand_fix_fuses_says_what_is_missing_and_apply_complet
 
     assert sm120patch("revert").exit_code == 0
     assert changed(release, snapshot(env)) == []
+
+
+
+def test_the_headline_never_says_will_fuse_on_sm120_while_the_gpus_are_not_known():
+    """status never reads the GPUs, doctor cannot where the driver does not answer: every other
+    step holding, the sentence is about an SM120 GPU and says how this machine's are read, or that
+    they are not known and why; with the driver's SM120 answer it is about this machine."""
+    commands = chain.Commands(*(f"sm120patch {word} --python /srv/env/bin/python" for word in chain.Commands._fields))
+    ok = tuple(chain.Step(step, chain.StepResult.OK, "holds") for step in chain.STEPS[1:])
+    requested = chain.Step("requested", chain.StepResult.OK, "on with the flag", condition=FLAG)
+    rest = tuple(requested if s.id == "requested" else s for s in ok)
+
+    def headline(facts):
+        return chain.Chain("sglang 0.5.9", (chain._device(facts, commands), *rest), None).headline
+
+    assert headline(None) == (f"sglang 0.5.9 will fuse on an SM120 GPU when started with `{FLAG}` — this machine's "
+                              f"GPUs: `{commands.doctor}`")
+    unread = headline(driver.DriverFacts(error="no CUDA driver (libcuda.so.1 not found)"))
+    assert unread == (f"sglang 0.5.9 will fuse on an SM120 GPU when started with `{FLAG}` — this machine's GPUs are "
+                      "not known: the driver was not read (no CUDA driver (libcuda.so.1 not found))")
+    assert headline(_devices((12, 0), multicast=False)) == f"sglang 0.5.9 will fuse on SM120 when started with `{FLAG}`"

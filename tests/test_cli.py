@@ -184,7 +184,7 @@ def test_list_shows_every_distribution_and_json_agrees():
     text = run_cli("list")
     assert text.exit_code == 0
     assert "flashinfer-python" in text.output and "sglang" in text.output and "0.6.17" in text.output
-    doc = json.loads(run_cli("list", "--json").output)
+    doc = json.loads(run_cli("list", "--json").output)["distributions"]
     assert set(doc) >= {"flashinfer-python", "sglang"}
     assert doc["flashinfer-python"]["releases"]["0.6.4"]["patch_set"] == "flashinfer-python/0.6.4.toml"
     assert doc["sglang"]["releases"]["0.5.9"]["opt_in"] == ["auto-enable", "symm-mem", "tuned-limits", "tuned-oneshot"]

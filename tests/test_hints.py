@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from helpers import COMM, COMMUNICATOR, FLASHINFER_FILES, ROOT, SYMM_MEM, changed, run_cli, snapshot, tree_snapshot
 from sm120patch.errors import ExitCode
@@ -63,7 +64,7 @@ def test_a_directory_as_python_hints_the_interpreter_inside_it_quoted(tmp_path, 
     venv = tmp_path / "my envs" / "srv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    for directory in (venv, venv / "bin", site):
+    for directory in (venv / "bin", site):  # the environment's own directory is taken as it is (below)
         result = run_cli("status", "--python", str(directory))
         assert result.exit_code == ExitCode.USAGE
         command = printed(result.output)
@@ -73,6 +74,20 @@ def test_a_directory_as_python_hints_the_interpreter_inside_it_quoted(tmp_path, 
         assert ran.returncode == ExitCode.NOT_OK and "is installed here" in ran.stdout
     plain = run_cli("status", "--python", str(tmp_path))  # no environment there: no made-up path
     assert plain.exit_code == ExitCode.USAGE and str(tmp_path) + "/bin" not in plain.output
+
+
+def test_the_environments_directory_is_taken_and_every_report_names_its_interpreter_first(toy, shell):
+    """`--python ~/ml-env`, as every --help allows: the environment's interpreter is the target,
+    and the first line of status and doctor names it; doctor without --python says how it chose."""
+    python = toy.venv / "bin" / "python3"
+    for command in ("status", "doctor"):
+        ran = shell(shlex.join(["sm120patch", command, "--python", str(toy.venv), "--jit-cache-base", str(toy.home)]))
+        assert ran.stdout.splitlines()[0].startswith(f"Python {python} ("), (command, ran.stdout, ran.stderr)
+        assert ran.returncode == (ExitCode.NOT_OK if command == "status" else ExitCode.OK), ran.stderr
+    chosen = shell(f"VIRTUAL_ENV={shlex.quote(str(toy.venv))} sm120patch doctor --jit-cache-base {shlex.quote(str(toy.home))}")
+    first = chosen.stdout.splitlines()[0]
+    assert first.startswith(f"Python {toy.venv}/bin/python") and "(no --python given: $VIRTUAL_ENV" in first, first
+    assert "toyfuse 1.0: not patched" in chosen.stdout
 
 
 def test_sm120patch_alone_prints_its_help():
@@ -130,7 +145,8 @@ def test_the_diff_help_example_applies_the_diff_by_hand(serving_env, shell, tmp_
     home.mkdir()
     (home / "ml-env").symlink_to(serving_env.root)
     examples = run_cli("diff", "--help").output.split("Examples:\n")[1].split("\n\n")[0]
-    lines = [line.strip().split("   # ")[0] for line in examples.splitlines()]
+    # One command per line, or over several ending in a backslash; a comment on a line of its own.
+    lines = [c.strip() for c in re.split(r"(?<!\\)\n", examples) if c.strip() and not c.strip().startswith("#")]
     assert len(lines) == 2 and lines[1].startswith("patch -p1")
     for line in lines:
         ran = shell(f"HOME={home}; {line}", cwd=tmp_path)
@@ -234,13 +250,11 @@ def test_without_python_the_activated_environment_is_the_target_and_the_first_li
     assert document["target_chosen_by"] == "python3 on PATH (no environment is activated)"
 
     monkeypatch.chdir(read_only_env.root.parent)
-    named = run_cli("status", "--python", read_only_env.root.name)
-    assert named.exit_code == 2
-    assert f"--python {read_only_env.root.name}: is a directory, not a Python interpreter" in named.output
-    hint = named.output.split("`")[1]  # names the interpreter inside, and works as printed
-    assert hint.startswith(f"sm120patch status --python {read_only_env.root.name}/bin/python")
-    assert run_cli(*shlex.split(hint)[1:], "--jit-cache-base", str(read_only_env.home)).output.startswith(
-        f"Python {read_only_env.root}/bin/python")
+    # The environment's directory, by its bare name: its interpreter is the target (every --help
+    # says so), named on the first line.
+    named = run_cli("status", "--python", read_only_env.root.name, "--jit-cache-base", str(read_only_env.home))
+    assert named.exit_code == ExitCode.NOT_OK
+    assert named.output.startswith(f"Python {read_only_env.root}/bin/python")
 
 
 def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only_env):
@@ -266,7 +280,8 @@ def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only
 def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, changes):
     """A command that changes nothing does not promise a rollback of a change it never makes."""
     text = run_cli(command, "--help").output
-    line = next(line for line in text.splitlines() if line.strip().startswith("130"))
+    codes = text.split("Exit codes:")[1]
+    line = " ".join(codes[codes.index("130 "):].split())  # the last code, its lines (wrapped at 80 columns) joined
     assert ("the change in progress was rolled back" in line) == changes
     assert ("nothing of the environment was changed" in line) == (not changes)
 
@@ -278,4 +293,78 @@ def test_a_bad_arch_list_gets_the_same_command_with_a_good_one(read_only_env):
     command = printed(bad.output)
     assert command == f"sm120patch build --python {python} --arch 12.0a"
     again = run_cli(*shlex.split(command)[1:], "--jit-cache-base", str(read_only_env.home))
-    assert again.exit_code == 3 and "--arch" not in again.output  # it parses; pristine sources are refused
+    assert again.exit_code == 3 and "not a list of compute capabilities" not in again.output  # it parses
+    assert printed(again.output).endswith("--arch 12.0a")  # pristine sources are refused: apply --build, that arch
+
+
+def test_hints_keep_what_was_given_and_say_what_help_lists(toy, shell, tmp_path):
+    """#55: build --arch on an unpatched environment hints apply --build with the same --arch (on an
+    image build, without it the build is for no GPU); apply with --python on an interpreter
+    without any of them does not say "pass --python"; a group's --help lists commands."""
+    python = str(toy.venv / "bin" / "python")
+    before = toy.snapshot()
+    refused = shell(shlex.join(["sm120patch", "build", "--python", python, "--jit-cache-base", str(toy.home),
+                                "--arch", "12.0a"]))
+    assert refused.returncode == ExitCode.REFUSED, refused.stderr
+    assert printed(refused.stderr) == shlex.join(["sm120patch", "apply", "--build", "--python", python,
+                                                  "--jit-cache-base", str(toy.home), "--arch", "12.0a"])
+    assert changed(before, toy.snapshot()) == []
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    nothing = shell(shlex.join(["sm120patch", "apply", "--python", str(bare / "bin" / "python")]))
+    assert nothing.returncode == ExitCode.USAGE and "is installed in" in nothing.stderr
+    assert "pass --python" not in nothing.stderr and "hint: that interpreter is not your server's" in nothing.stderr
+    for words, lists in ((["bogus"], "commands"), (["manifest", "bogus"], "commands"), (["status", "--bogus"], "options")):
+        result = run_cli(*words)
+        assert result.exit_code == ExitCode.USAGE
+        assert f"--help` lists the {lists}, with examples" in result.output, words
+
+
+def test_a_crash_fix_read_with_python_names_that_python_in_every_command(tmp_path, read_only_env):
+    from test_logcheck import check, flashinfer_unpatched_traceback, logged, sglang_line, sglang_settings
+
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    text = sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker)
+    python = str(read_only_env.python)
+    code, doc = check(tmp_path, text, "--python", python)
+    commands = re.findall(r"`(sm120patch [^`]+)`", doc["fix"])
+    assert code == 1 and doc["verdict"] == "crashed" and len(commands) == 2, doc["fix"]
+    assert all(shlex.split(c)[-2:] == ["--python", python] or f"--python {python}" in c for c in commands), commands
+
+
+def test_small_truths_of_help_list_and_check_log(tmp_path):
+    """#55 item 8: the top-level exit codes name 5 and check-log's and build's meanings; commands
+    without --python do not describe exit 2 with it; list is in release order; an unmapped
+    release's range is in words; a crash in a file sm120patch does not patch, fixed by apply, says
+    where the fix goes."""
+    from test_logcheck import flashinfer_unpatched_traceback, logged, sglang_line, sglang_settings
+
+    text = run_cli("--help").output.split("Exit codes:")[1]
+    assert {int(m) for m in re.findall(r"^    (\d+) ", text, flags=re.M)} == {0, 1, 2, 3, 4, 5, 130}
+    top = " ".join(text.split())
+    one, three = top.split(" 1 ")[1].split(" 2 ")[0], top.split(" 3 ")[1].split(" 4 ")[0]
+    assert "check-log" in one and "build" in one and "check-log" in three
+    assert "5 check-log: no verdict yet" in top
+    for words in (["export"], ["manifest", "build"], ["manifest", "add"]):
+        codes = " ".join(run_cli(*words, "--help").output.split("Exit codes:")[1].split())
+        assert "2 bad input" in codes and "--python" not in codes, words
+    listed = run_cli("list").output
+    firsts = [re.match(r"  (?:from |before |up to )?(\d+(?:\.\d+)+)", line) for line in listed.splitlines()]
+    by_distribution, current = {}, None
+    for line, first in zip(listed.splitlines(), firsts):
+        if not line.startswith(" "):
+            current = by_distribution.setdefault(line.split()[0], [])
+        elif first and not line.startswith("  before "):
+            current.append(Version(first.group(1)))
+    assert all(v == sorted(v) for v in by_distribution.values()), by_distribution
+    assert by_distribution["flashinfer-python"][0] == Version("0.4.0")
+
+    marker = logged("sglang", "0.5.9", "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                    traceback=flashinfer_unpatched_traceback())
+    log = tmp_path / "server.log"
+    log.write_text(sglang_settings("0.5.9", 2, True) + sglang_line("0.5.9", " TP0", marker))
+    crashed = run_cli("check-log", str(log), "--server", "sglang", "--version", "0.5.9").output
+    assert "a file sm120patch does not patch; the fix below patches the gate that leads here" in crashed
+    unmapped = json.loads(run_cli("check-log", str(log), "--server", "sglang", "--version", "0.5.99", "--json").stdout)
+    assert unmapped["verdict"] == "unknown-release" and "lines for from 0.5.1, up to 0.5.23 " in unmapped["summary"]

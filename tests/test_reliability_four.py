@@ -81,11 +81,15 @@ def test_a_signal_while_apply_prints_its_report_does_not_say_rolled_back(toy, tm
 
 
 def test_a_signal_while_apply_build_reports_or_builds_keeps_the_patch_and_says_so(serving_env, tmp_path):
-    """apply --build on an environment whose build cannot run (no torch here): a signal at the
+    """apply --build on an environment whose build fails (its torch does not import): a signal at the
     report's writes, or at the wait for the build's process, never exits 128 + the signal
     ("rolled back"): the files are patched, the report is printed, and the exit code is the
     failed build's (1)."""
     need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    # A torch that is there (apply --build checks for it before it writes) and does not import:
+    # the build starts after the commit point and fails.
+    (serving_env.site_packages / "torch").mkdir()
+    (serving_env.site_packages / "torch" / "__init__.py").write_text('raise ImportError("a stand-in torch")\n')
     files = [serving_env.file(relpath) for relpath in FLASHINFER_FILES]
     pristine = digest(files)
     argv = sm120patch_argv(serving_env, "apply", "--flashinfer", "--build", "--arch", "12.0a")

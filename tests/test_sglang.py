@@ -213,5 +213,5 @@ def test_a_release_before_coverage_is_named_not_covered_and_refused_with_why(tmp
 
     listed = run_cli("list")
     assert "from 0.4.9, up to 0.4.10.post2  not covered: it runs FlashInfer 0.2.x" in listed.output
-    rows = json.loads(run_cli("list", "--json").output)["sglang"]["not_covered"]
+    rows = json.loads(run_cli("list", "--json").output)["distributions"]["sglang"]["not_covered"]
     assert rows == [{"versions": "<=0.4.10.post2,>=0.4.9", "reason": SGLANG.not_covered[0].reason}]

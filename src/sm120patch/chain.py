@@ -27,7 +27,8 @@ The steps, in the order a start-up meets them (their ids are also the ``step`` o
 
 Each step is ``ok``, ``blocks`` or ``unknown``, with its reason and, where it blocks, the
 command that fixes it. The headline is one sentence; it never says "will fuse" while any step
-blocks or is unknown.
+blocks or is unknown, and while the GPUs are not known (status never reads them) it says "will fuse
+on an SM120 GPU" and names the command that reads this machine's (doctor).
 """
 
 from __future__ import annotations
@@ -126,15 +127,33 @@ class Chain(NamedTuple):
         # An option is quoted as it can be copied; a condition in words (vLLM's pass-config size) is not.
         when = (f" when started with {' and '.join(f'`{c}`' if c.startswith('-') else c for c in conditions)}"
                 if conditions else "")
+        device = self.step("device")
+        if device.result is StepResult.UNKNOWN:
+            # Every step but the GPUs holds: the sentence is about an SM120 GPU, and says where this
+            # machine's are read (status never reads them; doctor does, when the driver answers).
+            where = "on an SM120 GPU"
         sentence = f"{self.server} will fuse {where}{when}"
         if not conditions:
             sentence += f" without a flag: {self.step('requested').text}"
         kernel, jit = self.step("kernel-gates"), self.step("jit")
         # A hand fix that builds and runs the fused kernel: it fuses, and what is missing is said.
-        return sentence + "".join(f"; {s.note}" for s in (kernel, jit) if s.note)
+        sentence += "".join(f"; {s.note}" for s in (kernel, jit) if s.note)
+        if device.result is StepResult.UNKNOWN:
+            sentence += (f" — this machine's GPUs: `{device.fix}`" if device.fix
+                         else f" — this machine's GPUs are not known: {device.text}")
+        return sentence
 
 
-def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
+class NextStep(NamedTuple):
+    """One thing to do next: the command to run (None where it is not an sm120patch command, such
+    as restarting the server), why, and the words the screen says it in (``--json`` has the first two)."""
+
+    command: str | None
+    reason: str
+    words: str
+
+
+def next_step(chains: Sequence[Chain]) -> tuple[NextStep, ...]:
     """What to do next, in order, from the first server's chain that is not done (empty: no
     server is installed): the fix of what blocks, what reads what is not known, else the build
     a cold JIT cache wants, the start, and the log check. Each is its own line on the screen, so
@@ -142,20 +161,30 @@ def next_step(chains: Sequence[Chain]) -> tuple[str, ...]:
     for item in chains:
         step = item.blocking or item.unknown
         if step is not None:
-            return (f"`{step.fix}`" if step.fix else f"{item.server}: {step.text}",)
+            reason = f"{item.server}: {step.text}"
+            return (NextStep(step.fix, reason, f"`{step.fix}`") if step.fix else NextStep(None, reason, reason),)
     if not chains:
         return ()
     item = chains[0]
-    kernel, jit = item.step("kernel-gates"), item.step("jit")
-    # A hand fix that fuses as it is: completing it comes first, before the first build.
-    complete = ((f"`{kernel.fix}` (completes the partial patch: the kernel-gates step says what is missing)",)
-                if kernel.note and kernel.fix else ())
+    kernel, jit, tp = item.step("kernel-gates"), item.step("jit"), item.step("tp")
+    flags = " and ".join(item.conditions)
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
+    steps = []
+    # A hand fix that fuses as it is: completing it comes first, before the first build.
+    if kernel.note and kernel.fix:
+        reason = "completes the partial patch: the kernel-gates step says what is missing"
+        steps.append(NextStep(kernel.fix, reason, f"`{kernel.fix}` ({reason})"))
+    if jit.fix:
+        build = "compiles trtllm_comm now, so that the start does not"
+        steps.append(NextStep(jit.fix, build, f"`{jit.fix}` ({build})"))
     # Measuring comes before the restart: the release's own limits were tuned for NVLink.
-    tune = item.step("tp").note
-    return complete + ((f"`{jit.fix}` (compiles trtllm_comm now, so that the start does not)",) if jit.fix else ()) + (
-        (tune,) if tune else ()) + (start, "check-log on its log says whether it fused (`sm120patch check-log --help`)")
+    if tp.fix:
+        steps.append(NextStep(tp.fix, tp.note[len(tp.fix) + 4:-1], tp.note))
+    return tuple(steps) + (
+        NextStep(None, f"restart the server with {flags}" if flags else "restart the server", start),
+        NextStep(None, "check-log on its log says whether it fused",
+                 "check-log on its log says whether it fused (`sm120patch check-log --help`)"))
 
 
 def evaluate(server: Assessment, kernels: Assessment | None, other: InstalledDistribution | None, *,
@@ -403,16 +432,17 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
     why = (profile.problem or "; ".join(profile.others) or "no TP size") if profile is not None else "not read"
     if applied:
         return Step("tp", StepResult.OK, f"tuned-limits applied, but no profile holds here ({why}): the server keeps "
-                    f"the release's own limits ({untuned})",
+                    f"the release's own limits ({untuned})", fix=commands.tune,
                     note=f"`{commands.tune}` (measures where fusion wins on these GPUs; the server reads the profile "
                          "at its next start)" if commands.tune else "")
     if usable and offered:
         return Step("tp", StepResult.OK, f"untuned: a profile holds for this box ({'; '.join(e.words() for e in profile.entries)}), "
                     f"but {server.name} {server.raw_version} reads it only with tuned-limits applied ({untuned})",
+                    fix=commands.apply_tuned,
                     note=f"`{commands.apply_tuned}` (the server then keeps to the profile)" if commands.apply_tuned else "")
     text = f"untuned: {untuned}" if offered else (distribution.tp_advice or "no TP limit known")
     note = ""
     if offered and commands.tune:
         note = (f"`{commands.tune}` (measures where fusion wins on these GPUs; `apply --with tuned-limits` then keeps "
                 "the server to it)")
-    return Step("tp", StepResult.OK, text.replace("{bench}", commands.bench), note=note)
+    return Step("tp", StepResult.OK, text.replace("{bench}", commands.bench), fix=commands.tune if note else "", note=note)

@@ -5,15 +5,17 @@ stop, the write step, the JIT build, and the report. ``status`` (pipeline) impor
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
 from contextlib import ExitStack
 from typing import Sequence
 
-from sm120patch import jitbuild, jitcache, signals
+from sm120patch import driver, jitbuild, jitcache, signals
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
 from sm120patch.errors import BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.fileops import prune
+from sm120patch.invocation import command
 from sm120patch.journal import journal_at, leftover_runs, read_journal
 from sm120patch.locks import install_locks
 from sm120patch.pipeline import Located, Request, locate, status
@@ -26,9 +28,11 @@ from sm120patch.write import Worktree, WriteTarget, preview, write
 __all__ = ["apply", "build", "diff", "revert"]
 
 
-def _nothing_installed(located: Located, registry: Registry) -> UsageError:
-    return UsageError(f"none of {', '.join(registry.names)} is installed in {located.env.executable}",
-                      hint="pass --python with the interpreter your server runs")
+def _nothing_installed(located: Located, registry: Registry, request: Request) -> UsageError:
+    # Given --python, the user named an interpreter: the hint says it is the wrong one, not "pass --python".
+    hint = ("that interpreter is not your server's: --python names the one your server runs" if request.python
+            else "pass --python with the interpreter your server runs")
+    return UsageError(f"none of {', '.join(registry.names)} is installed in {located.env.executable}", hint=hint)
 
 
 def _hold(located: Located, request: Request) -> ExitStack:
@@ -90,8 +94,10 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees and (request.dry_run or not located.orphans()):
-        raise _nothing_installed(located, registry)
+        raise _nothing_installed(located, registry, request)
     _selected_ids(located, request.with_ids, registry)
+    if request.build and not request.dry_run:  # before the first write: a build that cannot run refuses the apply
+        _check_build(located, request)
     report = ChangeReport("apply", located.target, dry_run=request.dry_run, routed=located.routed,
                           chosen_by=located.chosen_by)
     with _hold(located, request):
@@ -155,12 +161,29 @@ def build(request: Request, registry: Registry | None = None) -> ChangeReport:
         a = _assess(tree)
         if not a.verdict.done:
             raise RefusedError(f"{a.name} {a.raw_version} is {a.verdict.value}: its JIT module would be built from "
-                               "sources that are not patched", hint=f"run `{located.command('apply --build')}`")
+                               "sources that are not patched", hint=f"run `{_apply_and_build(located, request)}`")
+    _check_build(located, request)
     report.builds = _build(located, request)
     if not report.builds:
         raise UsageError(f"nothing to build in {located.target}: no installed distribution has a JIT module "
                          "sm120patch patches")
     return report
+
+
+def _check_build(located: Located, request: Request) -> None:
+    """What the build needs (torch, ninja, nvcc, an arch), checked before anything is written or
+    announced: a build that cannot run is refused in one line, changing nothing."""
+    for tree in located.installed:
+        if tree.distribution.verify.jit_spec and tree.distribution.jit_module:
+            given = request.arch or os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
+            jitbuild.check_build(located.env.executable, tree.distribution.jit_module, request.arch,
+                                 gpus=0 if given else len(driver.query().devices))
+
+
+def _apply_and_build(located: Located, request: Request) -> str:
+    """`apply --build` for this target, with the --arch given to build (on an image build without
+    a GPU, a build without it would be for no GPU)."""
+    return command("apply --build", *located.options, *((("--arch", request.arch),) if request.arch else ()))
 
 
 def _write_target(located: Located, request: Request) -> WriteTarget:
@@ -185,7 +208,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
     registry = registry or load_registry()
     located = locate(request, registry)
     if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
-        raise _nothing_installed(located, registry)
+        raise _nothing_installed(located, registry, request)
     if request.dry_run and located.checkouts:
         raise UsageError("revert --dry-run reads installed environments; in a checkout, sm120patch's change is its "
                          "commit on its own branch", hint="`git log -1 -p` on that branch shows it")

@@ -11,8 +11,10 @@ below imports at its top (tests/test_layers.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -34,14 +36,33 @@ def _selectors() -> list[tuple[str, str]]:
 SELECTORS = _selectors()  # (option, distribution) from patches/*/distribution.toml
 
 
+HELP_WIDTH = 78  # the epilog's lines, which click indents by two: --help fits 80 columns
+
+
+def _example_lines(example: str) -> list[str]:
+    """An example as it fits: its comment on a line above it; a long command continued with a
+    backslash at a space (one with quotes comes split by hand, where a continuation is safe)."""
+    command, _, comment = example.partition("   # ")
+    lines = [f"  # {comment}"] if comment else []
+    if len(command) + 2 <= HELP_WIDTH or "\n" in command or "'" in command or '"' in command:
+        return lines + [f"  {part}" for part in command.split("\n")]
+    parts = textwrap.wrap(command, width=HELP_WIDTH - 4, initial_indent="  ", subsequent_indent="      ",
+                          break_long_words=False, break_on_hyphens=False)
+    return lines + [part + " \\" for part in parts[:-1]] + parts[-1:]
+
+
 def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
-    """A command's examples and its own exit codes, in the layout `--help` keeps (\\b)."""
-    lines = ["\b", "Examples:"] + [f"  {e}" for e in examples] + ["", "\b", "Exit codes:"]
-    lines += [f"  {code:<3} {text}" for code, text in codes]
+    """A command's examples and its own exit codes, in the layout `--help` keeps (\\b), each line
+    within :data:`HELP_WIDTH`."""
+    lines = ["\b", "Examples:"] + [line for e in examples for line in _example_lines(e)] + ["", "\b", "Exit codes:"]
+    lines += [line for code, text in codes
+              for line in textwrap.wrap(text, width=HELP_WIDTH, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6,
+                                        break_long_words=False, break_on_hyphens=False)]
     return "\n".join(lines)
 
 
 USAGE = (2, "bad input: an option, --python, a version selector, patch data")
+USAGE_NO_TARGET = (2, "bad input: an option or its value")  # the commands that take no --python
 INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change in progress was rolled back")
 # The commands that change nothing in the environment say so instead.
 INTERRUPTED_READING = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); nothing of the environment was changed")
@@ -67,13 +88,12 @@ def handle(exc: BaseException) -> int:
         message = one_line(exc.format_message())
         click.echo(f"sm120patch: error: {message}", err=True)
         command = exc.ctx.command_path if exc.ctx else "sm120patch"
-        click.echo(f"hint: `{command} --help` lists the options, with examples", err=True)
+        # A group's --help (`sm120patch bogus`, `sm120patch manifest bogus`) lists its commands.
+        what = "commands" if exc.ctx is None or isinstance(exc.ctx.command, click.Group) else "options"
+        click.echo(f"hint: `{command} --help` lists the {what}, with examples", err=True)
         return int(ExitCode.USAGE)
-    if isinstance(exc, BrokenPipeError):  # `sm120patch diff | head`: a closed pipe is not an error
-        try:
-            sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - nothing more may reach the closed pipe
-        except OSError:
-            pass
+    if isinstance(exc, BrokenPipeError):  # `--help | head`: a closed pipe is not an error (emit() keeps the code)
+        _stdout_closed()
         return 0
     if isinstance(exc, (KeyboardInterrupt, click.Abort, signals.Interrupted)):
         signum = getattr(exc, "signum", int(signal.SIGINT))
@@ -98,15 +118,35 @@ def handle(exc: BaseException) -> int:
     raise exc
 
 
+def _command_name(ctx: click.Context) -> str:
+    return ctx.command_path.partition(" ")[2]
+
+
+def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> None:  # noqa: ARG001 - click's callback
+    if value:
+        from sm120patch import progress
+
+        progress.QUIET = True
+
+
 class Command(click.Command):
+    """Every command also takes -q after its name (`sm120patch status -q`), as the group does before it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_quiet,
+                                        help="Print errors only (as `sm120patch -q`): the exit code says the outcome."))
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
-                click.echo(json.dumps({"error": {"message": exc.message, "hint": exc.hint_line,
-                                                 "exit_code": int(exc.exit_code)}}, indent=2))
+                from sm120patch.render import json_document
+
+                error = {"error": {"message": exc.message, "hint": exc.hint_line, "exit_code": int(exc.exit_code)}}
+                emit(json.dumps(json_document(_command_name(ctx), exc.exit_code, error), indent=2))
             raise
 
 
@@ -143,10 +183,25 @@ class Group(click.Group):
 _emitted = False  # whether the command printed its document (an error then adds none)
 
 
+def _stdout_closed() -> None:
+    """The reader of stdout went away (`status | head -3`): what is still to be printed, and the
+    interpreter's flush at exit, go to /dev/null, so the command ends quietly with its own exit
+    code (a pipeline's `pipefail` and Ansible read it), never a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout file descriptor at all (an embedding): nothing to protect
+        pass
+
+
 def emit(text: str, *, nl: bool = True) -> None:
     global _emitted
     if text:
-        click.echo(text, nl=nl)
+        try:
+            click.echo(text, nl=nl)
+        except BrokenPipeError:
+            _stdout_closed()
         _emitted = True
 
 
@@ -256,15 +311,17 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     report and its text, a line for stderr, or None), then each error it carries through
     :func:`handle` (the change it reports stands); the command returns the report's exit code,
     which :class:`Group` exits with."""
-    from sm120patch import progress
+    from sm120patch import progress, render
 
-    rendered = json.dumps(document(report), indent=2) if as_json else text(report)
+    ctx = click.get_current_context()
+    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour()  # the text is for this stdout
+    rendered = (json.dumps(render.json_document(_command_name(ctx), report.exit_code, document(report)), indent=2)
+                if as_json else text(report))
     if as_json or not progress.QUIET:
         emit(rendered, nl=nl or as_json)
         said = note(report, rendered) if note is not None else None
         if said:
             click.echo(said, err=True)
-    ctx = click.get_current_context()
     for error in report.errors:
         error.invocation = invocation(ctx)
         handle(error)
@@ -275,9 +332,13 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
              epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
                             "sm120patch apply --python ~/ml-env/bin/python3",
                             "sm120patch bench --python ~/ml-env/bin/python3"],
-                           [(0, "success"), (1, "status/verify/bench: not patched, or a check failed"), USAGE,
-                            (3, "refused: a file is not the release's bytes, no pinned patch set"),
-                            (4, "failed (I/O, permissions, a lock held); everything was rolled back"), INTERRUPTED]))
+                           [(0, "success"), (1, "status: not patched; verify/bench: a check failed; build (and apply "
+                                                "--build): the build failed; check-log: fell back, not requested or "
+                                                "crashed"), USAGE,
+                            (3, "refused: a file is not the release's bytes, no pinned patch set; check-log: a release "
+                                "whose log lines are not mapped"),
+                            (4, "failed (I/O, permissions, a lock held); everything was rolled back"),
+                            (5, "check-log: no verdict yet (the server is still starting)"), INTERRUPTED]))
 @click.version_option(__version__, prog_name="sm120patch")
 @click.option("-q", "--quiet", is_flag=True,
               help="Print errors only, no report and no progress (scripts, Ansible): the exit code says the outcome. "
@@ -304,14 +365,18 @@ def cli(quiet) -> None:
 @source_option
 @selector_options
 @jit_option
+@click.option("--brief", is_flag=True, help="Only the answer: one line per server, whether it will fuse and what "
+              "stands in the way (on a terminal, wrapped to its width, a command never broken).")
 @json_option
-def status(python, source, jit_cache_base, as_json, **selectors):
+def status(python, source, jit_cache_base, brief, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
+    if brief:
+        return show(pipeline.status(request), as_json, render.render_brief, render.status_json, note=render.brief_note)
     return show(pipeline.status(request), as_json, render.render_status, render.status_json)
 
 
@@ -322,7 +387,8 @@ def status(python, source, jit_cache_base, as_json, **selectors):
                             "sm120patch apply --source ~/src/sglang"],
                            [(0, "patched, or nothing to change"),
                             (1, "--build: the patch was applied; the build failed, could not start or was interrupted"),
-                            USAGE,
+                            (2, "bad input: an option, --python, a version selector, patch data; --build: what the "
+                                "build needs (torch, ninja, nvcc, an arch) is missing: nothing was changed"),
                             (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
                                 "nothing was changed"),
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
@@ -359,7 +425,9 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
                             "sm120patch build --python /opt/venv/bin/python --arch 12.0a   # an image build, no GPU",
                             "sudo sm120patch build --python ~svc/env/bin/python   # builds as svc, in svc's cache"],
                            [(0, "built, and proven to be the entry FlashInfer loads at start"),
-                            (1, "the build failed (its last lines are shown; no half-written entry is left)"), USAGE,
+                            (1, "the build failed (its last lines are shown; no half-written entry is left)"),
+                            (2, "bad input: an option, --python; what the build needs (torch, ninja, nvcc, an arch) "
+                                "is missing"),
                             (3, "refused: FlashInfer is not patched (run `sm120patch apply --build`)"), INTERRUPTED]))
 @python_option
 @arch_option
@@ -410,8 +478,8 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
 
 @cli.command(short_help="Print the unified diff apply would make.",
              epilog=epilog(["sm120patch diff --python ~/ml-env/bin/python3 > sm120.patch",
-                            "patch -p1 -d \"$(~/ml-env/bin/python3 -c 'import sysconfig; print(sysconfig.get_path("
-                            "\"purelib\"))')\" < sm120.patch   # the same change by hand"],
+                            "patch -p1 < sm120.patch -d \"$(~/ml-env/bin/python3 \\\n"
+                            "    -c 'import sysconfig; print(sysconfig.get_path(\"purelib\"))')\"   # the same change by hand"],
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
                             (3, "refused: drift, no pinned patch set")]))
 @selector_options
@@ -609,7 +677,7 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
 
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
              epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
-                           [(0, "written"), USAGE, (3, "sm120patch made no commit there")]))
+                           [(0, "written"), USAGE_NO_TARGET, (3, "sm120patch made no commit there")]))
 @click.option("--source", metavar="DIR", required=True, help="The git checkout sm120patch committed to.")
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
 def export(source, out):
@@ -623,7 +691,7 @@ def export(source, out):
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
              epilog=epilog(["sm120patch list", "sm120patch list --python ~/ml-env/bin/python3",
-                            "sm120patch list --json | jq '.sglang.releases | keys'"], [(0, "printed"), USAGE]))
+                            "sm120patch list --json | jq '.distributions.sglang.releases | keys'"], [(0, "printed"), USAGE]))
 @python_option
 @json_option
 def list_(python, as_json):
@@ -652,7 +720,7 @@ def manifest() -> None:
 @manifest.command("build", epilog=epilog(["sm120patch manifest build", "sm120patch manifest build --check",
                                           "sm120patch manifest build --check --distribution vllm"],
                                          [(0, "written, or (--check) identical"), (1, "--check: a manifest differs"),
-                                          USAGE, (4, "a download failed")]))
+                                          USAGE_NO_TARGET, (4, "a download failed")]))
 @click.option("--wheel-cache", metavar="DIR", default=None, help="Where downloaded wheels are kept (default: ~/.cache/sm120patch/wheels).")
 @click.option("--out", metavar="DIR", default=None, help="Write here instead of vendor-manifests/.")
 @click.option("--check", is_flag=True, help="Rebuild and compare with the committed manifests; write nothing.")
@@ -674,7 +742,8 @@ def manifest_build(wheel_cache, out, check, names):
                                         "sm120patch manifest add flashinfer-python --newer --check"],
                                        [(0, "pinned, or already supported (--check: every release is supported)"),
                                         (1, "--check: a release needs a pin that is not written yet"),
-                                        USAGE, (3, "no patch set fits: nothing was written"), (4, "a download failed")]))
+                                        USAGE_NO_TARGET, (3, "no patch set fits: nothing was written"),
+                                        (4, "a download failed")]))
 @click.argument("distribution", metavar="DIST")
 @click.argument("version", required=False, metavar="[VERSION]")
 @click.option("--wheel", "wheel", metavar="FILE", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -122,6 +122,9 @@ class DoctorReport:
     findings: list[Finding] = field(default_factory=list)
     driver: driver.DriverFacts | None = None
     libcuda: object | None = None  # jitbuild.Libcuda: what FlashInfer's JIT link would take here
+    target: str | None = None  # the interpreter whose environment was examined (the first line)
+    python_version: str = ""
+    chosen_by: str = ""  # without --python: how that interpreter was chosen
 
     errors = ()  # the report says what it could not find
     exit_code = ExitCode.OK  # the report was made
@@ -229,6 +232,7 @@ def doctor(status: Callable[[driver.DriverFacts | None], StatusReport]) -> Docto
 
 
 def examine_environment(report: DoctorReport, status: StatusReport) -> None:
+    report.target, report.python_version, report.chosen_by = status.target, status.python_version, status.chosen_by
     for item in status.trees:
         a, distribution = item.assessment, item.distribution
         verdict = a.verdict
@@ -242,7 +246,10 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
             report.add("info", item.pin)
         if item.chain is not None:
             chain = item.chain
-            report.add({"will fuse": "ok", "will not fuse": "warn"}.get(chain.verdict, "info"), chain.headline)
+            # "ok" only where the driver answered for these GPUs: unread, the sentence is about an SM120 GPU.
+            known = chain.step("device").result is not StepResult.UNKNOWN
+            report.add({"will fuse": "ok" if known else "info", "will not fuse": "warn"}.get(chain.verdict, "info"),
+                       chain.headline)
             for step in chain.steps:
                 if step.result is not StepResult.OK:
                     report.add("info", f"  {step.id} {step.result.value}: {step.text}"

@@ -220,6 +220,8 @@ def _resolve(text: str) -> str:
         raise TargetError(f"--python {text}: no such file")
     if candidate.is_dir():
         inside = _interpreter_in(candidate)
+        if inside is not None and inside.parent.parent == candidate:  # the environment's own directory, as --help says
+            return os.path.abspath(inside)
         if inside is None:
             raise TargetError(f"--python {text}: is a directory, not a Python interpreter",
                               hint="pass the interpreter itself, e.g. --python /srv/venv/bin/python3")
@@ -232,7 +234,8 @@ def _resolve(text: str) -> str:
 
 def _interpreter_in(directory: Path) -> Path | None:
     """The interpreter of the environment ``directory`` belongs to (its root, its bin/, its
-    lib/pythonX.Y/site-packages): the first executable python3 (or python) in a bin/ at or above it."""
+    lib/pythonX.Y/site-packages): the first executable python3 (or python) in a bin/ at or above it
+    (a Windows environment: Scripts/python.exe)."""
     parts = directory.parts
     if directory.name == "bin":
         place = directory
@@ -241,8 +244,7 @@ def _interpreter_in(directory: Path) -> Path | None:
         place = Path(*parts[:index]) / "bin"
     else:
         place = directory / "bin"
-    for name in ("python3", "python"):
-        found = place / name
+    for found in (place / "python3", place / "python", place.with_name("Scripts") / "python.exe"):
         if found.is_file() and os.access(found, os.X_OK):
             return found
     return None

@@ -139,6 +139,49 @@ else:
 """
 
 
+_NEEDS = """
+import importlib.util, json
+print(json.dumps({"torch": importlib.util.find_spec("torch") is not None}))
+"""
+
+
+def missing_for_build(python: Path | str) -> list[str]:
+    """What FlashInfer's JIT build needs and does not find, in words (empty: nothing): torch in
+    the target interpreter, ninja on PATH (FlashInfer runs `ninja` as found there), nvcc in the
+    toolkit FlashInfer takes (:func:`cuda_home`). Asked before anything is written or announced."""
+    missing = []
+    try:
+        proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/")
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        found = {"torch": False}
+    if not found["torch"]:
+        missing.append(f"torch is not importable in {python}")
+    if shutil.which("ninja") is None:
+        missing.append("ninja is not on PATH (FlashInfer's JIT runs it from there)")
+    nvcc = cuda_home() / "bin" / "nvcc"
+    if not nvcc.is_file():
+        missing.append(f"no nvcc at {nvcc} (FlashInfer's CUDA home: $CUDA_HOME, else two levels above the nvcc on "
+                       "PATH, else /usr/local/cuda)")
+    return missing
+
+
+def check_build(python: Path | str, module: str, arch: str | None, gpus: int) -> None:
+    """Refuse, in one line and before the first write, a build that cannot run: what is missing
+    (:func:`missing_for_build`), or no arch to build for (no --arch, no FLASHINFER_CUDA_ARCH_LIST,
+    and ``gpus``, what the driver sees, is 0)."""
+    missing = missing_for_build(python)
+    if missing:
+        raise UsageError(f"cannot build {module}: {'; '.join(missing)}; nothing was changed",
+                         hint="the server's environment needs torch and FlashInfer's dependencies, and the machine "
+                              "the CUDA toolkit (nvcc >= 12.8) and ninja")
+    if not arch and not os.environ.get("FLASHINFER_CUDA_ARCH_LIST") and not gpus:
+        raise UsageError(f"cannot tell which GPUs to build {module} for: no GPU is visible and "
+                         "FLASHINFER_CUDA_ARCH_LIST is not set; nothing was changed", fix=[("--arch", "12.0a")],
+                         hint="builds for SM120 (RTX PRO 6000 Blackwell, RTX 5090); give your servers' compute "
+                              "capability if it is another")
+
+
 def parse_arch(text: str) -> str:
     """``12.0a``, ``9.0a,12.0a`` or ``"9.0a 12.0a"`` -> FLASHINFER_CUDA_ARCH_LIST's form."""
     archs = [a for a in re.split(r"[,\s]+", text.strip()) if a]

@@ -26,7 +26,6 @@ from sm120patch.records import AotShadow, CacheBase, JitStatus
 from sm120patch.state import Owner
 from sm120patch.fileops import ASIDE_TAG
 from sm120patch.locks import flock, someone_holds
-from sm120patch.transaction import Change
 
 
 def status(version: str, module: str, base: CacheBase, site_dir: Path, sources: list[Path]) -> JitStatus:
@@ -103,18 +102,6 @@ def is_stale(entry: Path, sources: list[Path]) -> bool:
     newest = max((s.stat().st_mtime for s in sources if s.exists()), default=0.0)
     mtimes = [p.stat().st_mtime for p in entry.rglob("*") if p.is_file()]
     return bool(mtimes) and min(mtimes) < newest
-
-
-def move_aside(version: str, base: Path, module: str, sources: list[Path], *, sources_change: bool,
-               root: Path) -> list[Change]:
-    """The changes that move this version's entries aside in a transaction whose state root is
-    ``root`` (its rollback puts them back): every entry when its sources change, else those
-    older than the sources (a run killed after its files changed, an entry built under another
-    base and copied)."""
-    found = entries(version, base, module)
-    if not sources_change:
-        found = [e for e in found if is_stale(e, sources)]
-    return [Change("aside", entry, root, label=f"JIT entry {entry}") for entry in found]
 
 
 _NINJA_SOURCE = re.compile(r"^build \S+: \S+ (\S+)$", re.M)

@@ -21,12 +21,15 @@ from sm120patch import collectors, environment, pipeline
 from sm120patch.chain import StepResult
 from sm120patch.distributions import load_registry
 from sm120patch.errors import Sm120PatchError, TransactionError, UsageError
+from sm120patch.invocation import command
 from sm120patch.logdata import LogData, LogLine, load_logs, parse_logs
 from sm120patch.logruns import MAIN, Runs
 from sm120patch.logsource import open_lines
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
-from sm120patch.words import counted
+from sm120patch.words import counted, spec_words
+
+_SM120PATCH_COMMAND = re.compile(r"`sm120patch ([^`]*)`")
 
 SERVERS = ("sglang", "vllm")
 MAX_SEEN = 20
@@ -175,7 +178,7 @@ class Analysis:
                     if row.kind not in ("config", "tp", "requested", "version", "progress")]
             return LogCheckReport(**base, verdict=UNKNOWN_RELEASE, final=True, seen=seen[:MAX_SEEN],
                                   summary=f"{logs.server} {self.version} is not mapped: sm120patch knows its log "
-                                          f"lines for {logs.versions} (what was seen is below, read with every "
+                                          f"lines for {spec_words(logs.versions)} (what was seen is below, read with every "
                                           "known release's lines)")
         tp = next((int(m["value"]) for _, _, _, _, m in self._events("tp") if m is not None), None)
         requested = None
@@ -450,6 +453,10 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             elif step.result is StepResult.OK and report.step not in ("requested", "tp"):
                 report.notes = [*report.notes, f"status judges the {report.step} step open in {request.python} "
                                                f"({step.text}): did the server run from that environment?"]
+        if request.python and report.fix:  # an sm120patch command in the fix, for the environment asked about
+            report.fix = _SM120PATCH_COMMAND.sub(
+                lambda m: m.group(0) if "--python" in m.group(1) else f"`{command(m.group(1), ('--python', request.python))}`",
+                report.fix)
         return report
 
     # --follow: the first final verdict once what was there is read (the newest run decides);

@@ -3,10 +3,17 @@ exit codes come with the reports (assess.py, pipeline.py)."""
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import textwrap
 from typing import TYPE_CHECKING, Sequence
 
+import click
+from packaging.version import Version
+
 from sm120patch.assess import Origin, State, Verdict
-from sm120patch.chain import Chain, StepResult, next_step
+from sm120patch.chain import Chain, NextStep, StepResult, next_step
 from sm120patch.errors import ExitCode
 from sm120patch.reports import ChangeReport, Result, StatusReport, TreeStatus
 from sm120patch.words import counted, size_words as _size
@@ -21,6 +28,101 @@ AOT_HINT = (
     "FlashInfer loads this prebuilt trtllm_comm instead of compiling the patched sources, and it "
     "has no SM120 code: uninstall flashinfer-jit-cache (or remove that file) so the JIT builds it"
 )
+
+
+# -- the terminal ----------------------------------------------------------------------------------
+
+_KEPT = "\ue000"  # a space that is not a break: inside a command, inside a verdict
+_COMMAND = re.compile(r"`[^`]*`")
+_COMMAND_OF_SM120PATCH = re.compile(r"`(sm120patch [^`]*)`")
+VERDICT_COLOURS = {"will not fuse": "red", "not known": "yellow", "will fuse": "green"}
+_VERDICT = re.compile("|".join(VERDICT_COLOURS))
+
+
+# Set by the command line for the text it prints (cli.show); a report rendered for anything else
+# (a test, a string) stays unwrapped and plain.
+COLUMNS: int | None = None
+COLOUR = False
+
+
+def terminal_width() -> int | None:
+    """The width prose is wrapped to: $COLUMNS where it is set, else the terminal's; None where
+    stdout is no terminal (a pipe, a file, a log), which then gets one line per item, as grep and
+    scripts want it."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if not sys.stdout.isatty():
+        return None
+    try:  # os's, not shutil's: shutil is 3 ms of status's imports (environment.py)
+        return os.get_terminal_size(sys.stdout.fileno()).columns or 80
+    except (OSError, ValueError):
+        return 80
+
+
+def colour() -> bool:
+    """Verdicts in colour on a terminal only, and never under NO_COLOR (no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def fill(first: str, text: str, hang: str, *, columns: int | None = None) -> list[str]:
+    """``text`` after ``first``, wrapped to the terminal's width with ``hang`` before each further
+    line; a command (in backticks) and a verdict are never broken: a command that does not fit
+    after ``hang`` gets a line of its own, as far in as it fits. textwrap does the wrapping
+    (click.wrap_text would break a long word, and a name at its hyphens)."""
+    columns = columns if columns is not None else COLUMNS
+    if columns is None or len(first) + len(text) <= columns:
+        return [first + text]
+    kept = _COMMAND.sub(lambda m: m.group(0).replace(" ", _KEPT), _VERDICT.sub(
+        lambda m: m.group(0).replace(" ", _KEPT), text))
+    lines = textwrap.wrap(kept, width=columns, initial_indent=first, subsequent_indent=hang,
+                          break_long_words=False, break_on_hyphens=False)
+    return [(_closest(line.strip(), hang, columns) if len(line) > columns and line.startswith(hang) else line)
+            .replace(_KEPT, " ") for line in lines]
+
+
+def _closest(word: str, hang: str, columns: int) -> str:
+    """A word (a command) too long to follow ``hang``: as far in as it fits, at least two spaces."""
+    return " " * max(2, min(len(hang), columns - len(word))) + word
+
+
+_PREFIX = re.compile(r"( *)((?:[!-] |\d+\. |(?:note|fix|check|next|verdict|step|warning): )?)")
+
+
+def fit(text: str) -> str:
+    """A report's text wrapped to the terminal (:data:`COLUMNS`), each line under its own marker
+    (``! ``, ``note: ``, ...) or two spaces in from its first; lines that fit, and every line
+    where stdout is no terminal, are left as they are."""
+    columns = COLUMNS
+    if columns is None:
+        return text
+    lines = []
+    for line in text.split("\n"):
+        prefix = _PREFIX.match(line).group(0)
+        hang = " " * (len(prefix) + (0 if prefix.strip() else 2))
+        lines += fill(prefix, line[len(prefix):], hang, columns=columns)
+    return "\n".join(lines)
+
+
+def coloured(text: str) -> str:
+    """Each verdict in ``text`` in its colour, on a terminal (:func:`colour`)."""
+    if not COLOUR:
+        return text
+    return _VERDICT.sub(lambda m: click.style(m.group(0), fg=VERDICT_COLOURS[m.group(0)], bold=True), text)
+
+
+# -- --json ----------------------------------------------------------------------------------------
+
+COMMON_KEYS = ("command", "exit_code", "target", "next")  # every --json document's, first, error or not
+
+
+def json_document(command: str, exit_code: int, body: dict) -> dict:
+    """A command's --json document: the keys every command's carries (the command, its exit
+    code, the interpreter or checkout it looked at, what to do next as {command, reason}), then
+    its own."""
+    body = dict(body)
+    return {"command": command, "exit_code": int(exit_code), "target": body.pop("target", None),
+            "next": body.pop("next", []), **body}
 
 
 # -- status ----------------------------------------------------------------------------------------
@@ -89,14 +191,15 @@ def _chain_lines(chain: Chain) -> list[str]:
     """The fusion chain under its server, one step a line (the headline is at the top)."""
     lines = ["  fusion chain:"]
     width = max(len(step.id) for step in chain.steps)
+    column = f"    {'':<{width}}  {'':<7}  "  # each step's words, under one another
     for step in chain.steps:
-        lines.append(f"    {step.id:<{width}}  {step.result.value:<7}  {step.text}")
+        lines += fill(f"    {step.id:<{width}}  {step.result.value:<7}  ", step.text, column)
         if step.result is not StepResult.OK and step.fix:
             # What ends a block fixes it; what ends an unknown reads what is not known.
             word = "fix" if step.result is StepResult.BLOCKS else "check"
-            lines.append(f"    {'':<{width}}  {'':<7}  {word}: `{step.fix}`")
+            lines += fill(column, f"{word}: `{step.fix}`", column)
         if step.note:
-            lines.append(f"    {'':<{width}}  {'':<7}  note: {step.note}")
+            lines += fill(column, f"note: {step.note}", column)
     return lines
 
 
@@ -118,6 +221,7 @@ def chain_json(chain: Chain) -> dict:
 
 
 def render_status(report: StatusReport) -> str:
+    columns = COLUMNS
     lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
     if report.chosen_by:
         lines.append(f"  (no --python given: {report.chosen_by}; --python names your server's interpreter)")
@@ -148,7 +252,10 @@ def render_status(report: StatusReport) -> str:
                 word = _patch_word(item, patch)
                 kind = "" if patch.required else " (opt-in)"
                 fixed = f"  fixed upstream in {patch.fixed_in}" if patch.fixed_in else ""
-                lines.append(f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}")
+                row = f"  {patch.id:<{width}}  {word + kind:<19} {patch.file}{fixed}"
+                if len(row) > (columns or len(row)):  # a narrow terminal: the file on a line of its own
+                    row = f"  {patch.id:<{width}}  {word + kind:<19}{fixed}\n    {patch.file}"
+                lines.append(row)
                 if not patch.required and a.patch_set is not None:
                     # What an opt-in changes in this release, in the set's own words.
                     lines.append(f"  {'':<{width}}  --with {patch.id}: {patch.summary}")
@@ -188,23 +295,51 @@ def render_status(report: StatusReport) -> str:
     if following:
         lines.append("")
         lines.extend(_next_lines(following))
-    return "\n".join(lines)
+    return coloured(fit("\n".join(lines)))
 
 
-def status_next(report: StatusReport) -> tuple[str, ...]:
+def render_brief(report: StatusReport) -> str:
+    """`status --brief`: one answer per server (its headline), or, where no server is installed,
+    per distribution; wrapped on a terminal, a command never broken."""
+    chains = [item.chain for item in report.trees if item.chain is not None]
+    if chains:
+        answers = [c.headline for c in chains]
+    else:
+        answers = [f"{item.assessment.name} {item.assessment.raw_version}: {item.assessment.verdict.value}"
+                   + (f" ({item.assessment.reason})" if item.assessment.reason else "") for item in report.trees]
+    if not report.trees:
+        answers = [f"none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed "
+                   "here; --python names the interpreter your server runs"]
+    return coloured("\n".join(line for answer in answers for line in fill("", answer, "  ")))
+
+
+def brief_note(report: StatusReport, text: str) -> str | None:  # noqa: ARG001 - show()'s note signature
+    """`status --brief` without --python: which interpreter it looked at, on stderr."""
+    return f"sm120patch: Python {report.target} (no --python given: {report.chosen_by})" if report.chosen_by else None
+
+
+def status_next(report: StatusReport) -> tuple[NextStep, ...]:
     """What status says to do next: the chain's steps, else the apply command where something
     is not patched."""
     chains = [item.chain for item in report.trees if item.chain is not None]
     if chains:
         return next_step(chains)
-    return () if report.exit_code == ExitCode.OK or not report.trees else (f"`{report.apply_command}`",)
+    if report.exit_code == ExitCode.OK or not report.trees:
+        return ()
+    return (NextStep(report.apply_command, "something here is not patched", f"`{report.apply_command}`"),)
 
 
-def _next_lines(steps: Sequence[str]) -> list[str]:
+def _next_lines(steps: Sequence[NextStep]) -> list[str]:
     """One ``next:`` line, or numbered lines when there are several steps."""
     if len(steps) == 1:
-        return [f"next: {steps[0]}"]
-    return [f"{'next:' if i == 1 else '':<5} {i}. {step}" for i, step in enumerate(steps, 1)]
+        return fill("next: ", steps[0].words, "      ")
+    return [line for i, step in enumerate(steps, 1)
+            for line in fill(f"{'next:' if i == 1 else '':<5} {i}. ", step.words, " " * 9)]
+
+
+def next_json(steps: Sequence[NextStep]) -> list[dict]:
+    """``next`` in every --json document: what to run (null where it is no sm120patch command) and why."""
+    return [{"command": step.command, "reason": step.reason} for step in steps]
 
 
 def _jit_lines(item: TreeStatus, report: StatusReport) -> list[str]:
@@ -242,13 +377,12 @@ def status_json(report: StatusReport) -> dict:
         "target": report.target,
         "target_chosen_by": report.chosen_by or None,
         "python_version": report.python_version,
-        "exit_code": int(report.exit_code),
         "distributions": [],
         "aot_shadowing": [{"path": s.path, "source": s.source} for s in report.aot],
         "orphaned_state": [{"state": str(o.state.root), "install": o.name, "files": [str(f) for f in o.files]}
                            for o in report.orphans],
         "leftover_temporaries": [str(p) for p in report.temporaries],
-        "next": list(status_next(report)),
+        "next": next_json(status_next(report)),
     }
     for item in report.trees:
         a, tree = item.assessment, item.tree
@@ -343,7 +477,7 @@ def render_change(report: ChangeReport) -> str:
     following = next_step(report.chains) if report.chains else ()
     if following and not report.dry_run:
         lines.extend(_next_lines(following))
-    return "\n".join(lines)
+    return "\n".join(lines) if report.dry_run else coloured(fit("\n".join(lines)))  # a diff is never wrapped
 
 
 def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
@@ -407,7 +541,7 @@ def change_json(report: ChangeReport) -> dict:
         "dry_run": report.dry_run,
         "target": report.target,
         "target_chosen_by": report.chosen_by or None,
-        "next": list(next_step(report.chains)) if report.chains and not report.dry_run else [],
+        "next": next_json(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
         # Whatever the run would count as a change (Ansible's check mode reports it as changed).
         "would_change": (any(r.plan and not r.plan.empty for r in report.results) or bool(report.orphans_removed)
@@ -464,6 +598,11 @@ def diff_note(report: ChangeReport, diff: str) -> str | None:
 
 # -- list -----------------------------------------------------------------------------------------
 
+def _lowest(versions) -> Version:
+    """A range's lowest release (0 where it has no lower bound: "before 0.10.0")."""
+    return min((Version(s.version) for s in versions if s.operator in (">=", ">", "==", "~=")), default=Version("0"))
+
+
 def _ranges(versions) -> str:
     return f"{versions[0]}" if len(versions) == 1 else f"{versions[0]} to {versions[-1]}"
 
@@ -494,17 +633,21 @@ def render_list(registry, installed: dict | None = None, target: str | None = No
                 for ps in sets]
         width = max([28, *(len(r[0]) for r in rows)])
         listed = max([4, *(len(r[2]) for r in rows)])
-        for span, count, required, optional in rows:
-            lines.append(f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
-        for version in distribution.sdist_only:
-            lines.append(f"  {version:<{width}}  sdist only: not supported (no RECORD to check against)")
-        for uncovered in distribution.not_covered:
-            lines.append(f"  {_spec_words(uncovered.versions):<{width}}  not covered: {uncovered.reason}")
-        for exempt in distribution.nothing_to_patch:
-            lines.append(f"  {_spec_words(exempt.versions):<{width}}  nothing to patch: {exempt.reason.replace(' {version}', '')}")
+        # Every row in release order (a patch set's first release, a range's lowest bound), so that
+        # the releases too old for a wheel come first, not after the newest patch set.
+        ordered = [(min(ps.versions), f"  {span:<{width}} {count:<12} {required:<{listed}}  opt-in: {optional}")
+                   for ps, (span, count, required, optional) in zip(sets, rows)]
+        ordered += [(Version(version), f"  {version:<{width}}  sdist only: not supported (no RECORD to check against)")
+                    for version in distribution.sdist_only]
+        ordered += [(_lowest(uncovered.versions), f"  {_spec_words(uncovered.versions):<{width}}  not covered: "
+                     f"{uncovered.reason}") for uncovered in distribution.not_covered]
+        ordered += [(_lowest(exempt.versions), f"  {_spec_words(exempt.versions):<{width}}  nothing to patch: "
+                     f"{exempt.reason.replace(' {version}', '')}") for exempt in distribution.nothing_to_patch]
         if fixed:
-            lines.append(f"  {str(fixed) + ' and later':<{width}}  native SM120 support: nothing to patch")
-    return "\n".join(lines)
+            ordered.append((Version(str(fixed)), f"  {str(fixed) + ' and later':<{width}}  native SM120 support: "
+                            "nothing to patch"))
+        lines += [line for _, line in sorted(ordered, key=lambda row: row[0])]
+    return fit("\n".join(lines))
 
 
 def list_json(registry, installed: dict | None = None) -> dict:
@@ -547,7 +690,7 @@ def render_verify(verified: VerifyReport) -> str:
     not_run = sum(1 for r in results if r.ok is None and r.required)
     counts = [f"{counted(failed, 'check')} failed"] * bool(failed) + [f"{counted(not_run, 'check')} you asked for could not run"] * bool(not_run)
     lines.append("verified" if code is ExitCode.OK else "NOT verified" + (f": {', '.join(counts)}" if counts else ""))
-    return "\n".join(lines)
+    return fit("\n".join(lines))
 
 
 def verify_json(verified: VerifyReport) -> dict:
@@ -600,12 +743,18 @@ def render_addition(result, *, check: bool) -> str:
 
 def render_doctor(report: DoctorReport) -> str:
     marks = {"ok": "ok  ", "info": "info", "warn": "WARN"}
-    return "\n".join(f"{marks[f.level]}  {f.text}" for f in report.findings)
+    # The first line says which interpreter the environment's lines are about.
+    head = [] if report.target is None else fill("", f"Python {report.target}" + (
+        f" ({report.python_version})" if report.python_version else "") + (
+        f" (no --python given: {report.chosen_by})" if report.chosen_by else ""), "  ")
+    return coloured("\n".join(head) + "\n" * bool(head) + "\n".join(line for f in report.findings for line in fill(f"{marks[f.level]}  ", f.text, " " * 6)))
 
 
 def doctor_json(report: DoctorReport) -> dict:
     facts = report.driver
     return {
+        "target": report.target,
+        "target_chosen_by": report.chosen_by or None,
         "gpus": [g.__dict__ for g in report.gpus],
         "driver": None if facts is None else {
             "error": facts.error,
@@ -690,6 +839,7 @@ def _server_path_text(path: dict) -> str:
 def bench_json(report: BenchReport) -> dict:
     recommendation = report.recommendation()
     return {
+        "target": str(report.request.python) if report.request.python else None,
         "python": str(report.request.python),
         "world_size": report.world_size,
         "dtype": report.request.dtype,
@@ -788,7 +938,7 @@ def render_list_report(report) -> str:
 
 
 def list_report_json(report) -> dict:
-    return list_json(report.registry, report.installed)
+    return {"target": report.target, "distributions": list_json(report.registry, report.installed)}
 
 
 def render_export(report) -> str:
@@ -826,8 +976,10 @@ def render_log_check(report) -> str:
             lines.append(f"  exception: {c.exception}")
         if c.frame:
             lines.append(f"  last frame: {c.frame}")
+            # Not patched here, yet a fix may still be sm120patch's: the gate that led to this frame.
             lines.append(f"    sm120patch patches this file ({c.patched_by})" if c.patched_by
-                         else "    a file sm120patch does not patch")
+                         else "    a file sm120patch does not patch; the fix below patches the gate that leads here"
+                         if "sm120patch apply" in (report.fix or "") else "    a file sm120patch does not patch")
     for seen in report.seen:
         lines.append(f"  seen: {seen}")
     for note in report.notes:
@@ -843,7 +995,7 @@ def render_log_check(report) -> str:
         lines.append("  (--follow: the timeout passed before a final verdict)")
     elif not report.final and report.verdict != "starting":
         lines.append("  (not final: later lines may change it)")
-    return "\n".join(lines)
+    return coloured(fit("\n".join(lines)))
 
 
 def log_check_json(report) -> dict:
@@ -856,4 +1008,5 @@ def log_check_json(report) -> dict:
             "seen": list(report.seen), "lines": report.lines, "timed_out": report.timed_out,
             "run": report.run, "runs": report.runs, "run_line": report.run_line,
             "predicted": chain_json(report.predicted) if report.predicted is not None else None,
-            "exit_code": int(report.exit_code)}
+            "next": [{"command": command, "reason": report.summary}
+                     for command in _COMMAND_OF_SM120PATCH.findall(report.fix or "")[-1:]]}

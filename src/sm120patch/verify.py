@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 from sm120patch import ptx, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
-from sm120patch.jitbuild import end_group, start_build
+from sm120patch.jitbuild import end_group, missing_for_build, start_build
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
 from sm120patch.words import counted
@@ -187,7 +187,10 @@ def compile_checks(item: TreeStatus, *, progress: Callable[[str], None] | None =
     return results
 
 
-def build_check(python: Path, *, arch_list: str = "12.0a", progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+BUILD_ARCHS = "12.0a"  # what verify --build compiles for: SM120, as a server on an RTX PRO 6000 or RTX 5090 would
+
+
+def build_check(python: Path, *, arch_list: str = BUILD_ARCHS, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
     """FlashInfer's own JIT build of trtllm_comm into a temporary workspace; linking and
     loading need libcuda (a driver), so without one the objects are compiled and that is said."""
     script = """
@@ -267,5 +270,24 @@ def run_verify(report: StatusReport, python: Path, *, runtime: bool, compile_: b
         results += [r for item in report.trees if item.distribution.verify.compile_header and item.assessment.patch_set
                     for r in compile_checks(item, progress=progress)]
     if build:
-        results += build_check(python, progress=progress)
+        results += _build_or_why_not(report, python, progress)
     return results
+
+
+def _build_or_why_not(report: StatusReport, python: Path, progress: Callable[[str], None] | None) -> list[CheckResult]:
+    """The build check, or NOT RUN with the reason, as --runtime says it (where `build` refuses:
+    sources that are not patched; or where the build cannot start: no torch, ninja or nvcc)."""
+    subject = f"trtllm_comm JIT build ({BUILD_ARCHS})"
+    kernels = [item for item in report.trees if item.distribution.jit_module and item.distribution.verify.jit_spec]
+    if not kernels:
+        return [CheckResult("build", subject, None, "not run: no distribution with a JIT module sm120patch patches "
+                                                    "is installed here")]
+    unpatched = [item.assessment for item in kernels if not item.assessment.verdict.done]
+    if unpatched:
+        a = unpatched[0]
+        return [CheckResult("build", subject, None, f"not run: {a.name} {a.raw_version} is {a.verdict.value} (the "
+                                                    "build would be of the release's sources; `sm120patch apply` first)")]
+    missing = missing_for_build(python)
+    if missing:
+        return [CheckResult("build", subject, None, f"not run: {'; '.join(missing)}")]
+    return build_check(python, arch_list=BUILD_ARCHS, progress=progress)

@@ -159,6 +159,18 @@ def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Cha
     return changes
 
 
+def move_aside(version: str, base: Path, module: str, sources: list[Path], *, sources_change: bool,
+               root: Path) -> list[Change]:
+    """The changes that move this version's JIT entries aside in a transaction whose state root
+    is ``root`` (its rollback puts them back): every entry when its sources change, else those
+    older than the sources (a run killed after its files changed, an entry built under another
+    base and copied). Here, not in jitcache, which status reads: a Change is the transaction's."""
+    found = jitcache.entries(version, base, module)
+    if not sources_change:
+        found = [e for e in found if jitcache.is_stale(e, sources)]
+    return [Change("aside", entry, root, label=f"JIT entry {entry}") for entry in found]
+
+
 def _jit_changes(tree: InstalledTree, plans: list[Plan], target: WriteTarget, report: ChangeReport,
                  locks: list, root: Path) -> list[Change]:
     """Move aside the module's entries of this version (jitcache says which), under its lock
@@ -170,9 +182,9 @@ def _jit_changes(tree: InstalledTree, plans: list[Plan], target: WriteTarget, re
     base = jitcache.cache_base(target.jit_base, owner=tree.owner)
     report.jit_base = base
     report.jit_sources_changed = report.jit_sources_changed or bool(plan.files)
-    changes = jitcache.move_aside(tree.raw_version, base.path, module,
-                                  [fa.path for fa in plan.assessment.files.values()],
-                                  sources_change=bool(plan.files), root=root)
+    changes = move_aside(tree.raw_version, base.path, module,
+                         [fa.path for fa in plan.assessment.files.values()],
+                         sources_change=bool(plan.files), root=root)
     if not changes:
         return []
     entries = [change.path for change in changes]
