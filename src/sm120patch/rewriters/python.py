@@ -318,6 +318,31 @@ class ExtendOrCondition(LibcstRewriter):
         return Transformer(self.args["function"])
 
 
+class _TableTransformer(_SiteTransformer):
+    """Hands the elements of the module-level dict literal assigned to ``variable`` to :meth:`edit`
+    (annotated or not: vLLM annotates its tables, `FI_ALLREDUCE_FUSION_MAX_SIZE_MB: dict[int,
+    dict[int, float]] = {...}`), which returns the new elements, or None to leave it as it is."""
+
+    def __init__(self, variable: str) -> None:
+        super().__init__()
+        self.variable = variable
+
+    def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+        return self._table(updated_node, [t.target for t in updated_node.targets])
+
+    def leave_AnnAssign(self, original_node: cst.AnnAssign, updated_node: cst.AnnAssign) -> cst.AnnAssign:
+        return self._table(updated_node, [updated_node.target])
+
+    def _table(self, node, targets):
+        if not any(isinstance(t, cst.Name) and t.value == self.variable for t in targets) or not isinstance(node.value, cst.Dict):
+            return node
+        elements = self.edit(list(node.value.elements))
+        return node if elements is None else node.with_changes(value=node.value.with_changes(elements=elements))
+
+    def edit(self, elements: list) -> list | None:
+        raise NotImplementedError
+
+
 @register
 class CopyDictEntry(LibcstRewriter):
     """In the module-level dict literal assigned to ``variable``, the entry ``source_key``
@@ -337,32 +362,19 @@ class CopyDictEntry(LibcstRewriter):
         new_key = cst.parse_expression(self.args["new_key"])
         new_key_code = _code(new_key)
 
-        class Transformer(_SiteTransformer):
-            def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
-                return self._copy_in(updated_node, [t.target for t in updated_node.targets])
-
-            # vLLM annotates its tables: `FI_ALLREDUCE_FUSION_MAX_SIZE_MB: dict[int, dict[int, float]] = {...}`
-            def leave_AnnAssign(self, original_node: cst.AnnAssign, updated_node: cst.AnnAssign) -> cst.AnnAssign:
-                return self._copy_in(updated_node, [updated_node.target])
-
-            def _copy_in(self, node, targets):
-                if not any(isinstance(t, cst.Name) and t.value == variable for t in targets):
-                    return node
-                if not isinstance(node.value, cst.Dict):
-                    return node
-                elements = list(node.value.elements)
+        class Transformer(_TableTransformer):
+            def edit(self, elements: list) -> list | None:
                 keys = [_code(e.key) if isinstance(e, cst.DictElement) else None for e in elements]
                 if new_key_code in keys:
                     self.applied += 1
-                    return node
+                    return None
                 if source_key not in keys:
-                    return node
+                    return None
                 self.found += 1
                 index = keys.index(source_key)
-                elements = _insert_after(elements, index, elements[index].with_changes(key=new_key))
-                return node.with_changes(value=node.value.with_changes(elements=elements))
+                return _insert_after(elements, index, elements[index].with_changes(key=new_key))
 
-        return Transformer()
+        return Transformer(variable)
 
 
 @register
@@ -602,19 +614,8 @@ class WrapDictEntry(LibcstRewriter):
 
             return wrap.visit(Fill())
 
-        class Transformer(_SiteTransformer):
-            def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
-                return self._wrap_in(updated_node, [t.target for t in updated_node.targets])
-
-            def leave_AnnAssign(self, original_node: cst.AnnAssign, updated_node: cst.AnnAssign) -> cst.AnnAssign:
-                return self._wrap_in(updated_node, [updated_node.target])
-
-            def _wrap_in(self, node, targets):
-                if not any(isinstance(t, cst.Name) and t.value == variable for t in targets):
-                    return node
-                if not isinstance(node.value, cst.Dict):
-                    return node
-                elements = list(node.value.elements)
+        class Transformer(_TableTransformer):
+            def edit(self, elements: list) -> list:
                 for index, element in enumerate(elements):
                     if not isinstance(element, cst.DictElement) or _code(element.key) != key:
                         continue
@@ -624,9 +625,9 @@ class WrapDictEntry(LibcstRewriter):
                     else:
                         self.found += 1
                         elements[index] = element.with_changes(value=wrapped(element.value))
-                return node.with_changes(value=node.value.with_changes(elements=elements))
+                return elements
 
-        return Transformer()
+        return Transformer(variable)
 
 
 @register
