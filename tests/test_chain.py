@@ -252,7 +252,7 @@ def test_the_field_reports_hand_fix_fuses_says_what_is_missing_and_apply_complet
     assert ("; pdl-gates, lamport-stride, cluster-clamp-moe, cluster-clamp-custom not applied: they complete upstream's "
             "fix of kernels sglang does not call (the plain custom allreduce, the MoE fusion) — `apply` completes it"
             in kernel["note"])
-    assert fusion["headline"].startswith(f"sglang {SGLANG_VERSION} will fuse on SM120 when started with `{FLAG}`; "
+    assert fusion["headline"].startswith(f"sglang {SGLANG_VERSION} will fuse on an SM120 GPU when started with `{FLAG}`; "
                                          f"{kernel['note']}; its first start compiles trtllm_comm")
     status = sm120patch("status")
     assert status.exit_code == 1  # partly patched: not done, and status says what it will do all the same

@@ -128,7 +128,10 @@ class Chain(NamedTuple):
         when = (f" when started with {' and '.join(f'`{c}`' if c.startswith('-') else c for c in conditions)}"
                 if conditions else "")
         device = self.step("device")
-        if device.result is StepResult.UNKNOWN:
+        # nvidia-smi named the GPUs (SM90/SM100) though the driver answered nothing: the sentence is
+        # about them, as read.
+        unread = device.result is StepResult.UNKNOWN and not self.upstream_device
+        if unread:
             # Every step but the GPUs holds: the sentence is about an SM120 GPU, and says where this
             # machine's are read (status never reads them; doctor does, when the driver answers).
             where = "on an SM120 GPU"
@@ -138,7 +141,7 @@ class Chain(NamedTuple):
         kernel, jit = self.step("kernel-gates"), self.step("jit")
         # A hand fix that builds and runs the fused kernel: it fuses, and what is missing is said.
         sentence += "".join(f"; {s.note}" for s in (kernel, jit) if s.note)
-        if device.result is StepResult.UNKNOWN:
+        if unread:
             sentence += (f" — this machine's GPUs: `{device.fix}`" if device.fix
                          else f" — this machine's GPUs are not known: {device.text}")
         return sentence
