@@ -57,8 +57,9 @@ def run_script(env, script: str, profile: Path, *args: str) -> dict:
 # its own, and prints, for each batch, the predicate's answer and the one-shot choice the fused call
 # would be handed for it.
 PREDICATE_SCRIPT = r"""
-path, predicate, tp, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-batches = json.loads(sys.argv[5])
+import os
+path, predicate, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3])
+batches, cases = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 FLAGS = ("_is_cuda", "_is_flashinfer_available", "_is_sm90_supported", "_is_sm100_supported", "_is_sm120_supported",
          "FUSE_ALLREDUCE_MAX_BATCH_SIZE")
 def wanted(node):
@@ -79,13 +80,18 @@ module.__dict__.update(
     get_global_server_args=lambda: ns(enable_flashinfer_allreduce_fusion=True, flashinfer_allreduce_fusion_backend="trtllm"),
     get_exec=lambda: ns(comm=ns(flashinfer_allreduce_fusion_backend="trtllm")))
 exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
-if "_sm120patch_sglang_tp_size" in module.__dict__:  # SGLang's parallel state, as a TP-N server has it
-    module._sm120patch_sglang_tp_size = lambda: tp
 decide = getattr(module, predicate)
 oneshot = module.__dict__.get("_sm120patch_use_oneshot", lambda use_oneshot, *args: use_oneshot)
-print(json.dumps({"fuses": {b: bool(decide(b)) for b in batches},
-                  "oneshot": {b: oneshot(None, b, b * hidden * 2, tp) for b in batches},
-                  "log": logged}))
+results = []
+for profile, tp in cases:  # each a fresh server process as far as the inserted code can tell
+    os.environ["SM120PATCH_TUNED_LIMITS"] = profile
+    module.__dict__.get("_SM120PATCH_SEEN", {}).clear()
+    if "_sm120patch_sglang_tp_size" in module.__dict__:  # SGLang's parallel state, as a TP-N server has it
+        module._sm120patch_sglang_tp_size = lambda tp=tp: tp
+    del logged[:]
+    results.append({"fuses": {b: bool(decide(b)) for b in batches},
+                    "oneshot": {b: oneshot(None, b, b * hidden * 2, tp) for b in batches}, "log": list(logged)})
+print(json.dumps({"cases": results}))
 """
 
 
@@ -107,8 +113,14 @@ def predicate_file(files: dict[str, bytes]) -> tuple[str, bytes]:
     return next((name, data) for name, data in files.items() if name != FUSED_FILE)
 
 
-def decisions(env, path: Path, predicate: str, tp: int, profile: Path) -> dict:
-    result = run_script(env, PREDICATE_SCRIPT, profile, str(path), predicate, str(tp), str(HIDDEN), json.dumps(BATCHES))
+def decisions(env, path: Path, predicate: str, *cases: tuple[Path, int]) -> list[dict]:
+    """What the predicate in ``path`` decides for each case (a profile, a TP size), in one process."""
+    results = run_script(env, PREDICATE_SCRIPT, cases[0][0], str(path), predicate, str(HIDDEN), json.dumps(BATCHES),
+                         json.dumps([[str(profile), tp] for profile, tp in cases]))["cases"]
+    return [_keyed(result) for result in results]
+
+
+def _keyed(result: dict) -> dict:
     result["fuses"] = {int(k): v for k, v in result["fuses"].items()}
     result["oneshot"] = {int(k): v for k, v in result["oneshot"].items()}
     return result
@@ -143,48 +155,39 @@ def test_sglang_predicate_follows_a_profile_and_ignores_a_bad_one(runtime_env, i
     today.write_bytes(predicate_file(sglang_files(version, wheel_cache, tuned=False))[1])
     tuned = tmp_path / "tuned.py"
     tuned.write_bytes(predicate_file(sglang_files(version, wheel_cache, tuned=True))[1])
-    profile = tmp_path / "tuned-limits.json"
+    profiles = {name: tmp_path / f"{name.replace(' ', '-')}.json" for name in
+                ("used", "never", "absent", "corrupt", "another TP", "another release", "another box")}
+    write_profile(profiles["used"], installed, tp4=(64, 16))  # fused up to 64 tokens, one-shot up to 16
+    write_profile(profiles["never"], installed, tp4=(0, 0))  # fusion never wins at TP4
+    profiles["corrupt"].write_text('{"kind": "sm120patch tuned limits", "format": 1, "box": ')
+    write_profile(profiles["another TP"], installed, tp8=(64, 16))
+    write_profile(profiles["another release"], {**installed, "sglang": "0.5.8"}, tp4=(64, 16))
+    write_profile(profiles["another box"], installed, tp4=(64, 16))
+    moved = json.loads(profiles["another box"].read_text())
+    moved["box"] = {"gpus": [{"bus_id": "0000:c1:00.0"}], "driver": "580.95.05"}
+    profiles["another box"].write_text(json.dumps(moved))
 
-    baseline = decisions(runtime_env, today, predicate, 4, profile)
+    [baseline] = decisions(runtime_env, today, predicate, (profiles["used"], 4))
     assert baseline["fuses"] == {b: b <= 2048 for b in BATCHES}  # SGLang's own cap
     assert set(baseline["oneshot"].values()) == {None}  # FlashInfer's rule decides
+    assert baseline["log"] == []  # today's patched server has no profile reader
 
-    # With a profile for this box, its releases and TP4: fused up to 64 tokens, one-shot up to 16.
-    write_profile(profile, installed, tp4=(64, 16))
-    used = decisions(runtime_env, tuned, predicate, 4, profile)
+    names = list(profiles)
+    results = dict(zip(names, decisions(runtime_env, tuned, predicate, *((profiles[n], 4) for n in names))))
+    used = results.pop("used")
     assert used["fuses"] == {b: b <= 64 for b in BATCHES}
     assert used["oneshot"] == {b: b <= 16 for b in BATCHES}
     assert used["log"] == [f"sm120patch tuned limits in force at TP4: fused up to {64 * HIDDEN * 2} bytes, one-shot up to "
-                           f"{16 * HIDDEN * 2} bytes (profile {profile}, tuned 2026-12-05T01:30:00Z)"]
-    # Fusion never wins at TP4: never fused.
-    write_profile(profile, installed, tp4=(0, 0))
-    assert not any(decisions(runtime_env, tuned, predicate, 4, profile)["fuses"].values())
+                           f"{16 * HIDDEN * 2} bytes (profile {profiles['used']}, tuned 2026-12-05T01:30:00Z)"]
+    assert not any(results.pop("never")["fuses"].values())
 
     # Every way a profile does not hold: exactly today's decisions, and one line saying why.
-    cases = {
-        "absent": (None, "no profile at"),
-        "corrupt": ('{"kind": "sm120patch tuned limits", "format": 1, "box": ', "cannot read"),
-        "another TP": (dict(tp8=(64, 16)), "no limits for TP4 (tuned: TP8)"),
-        "another release": (dict(software={**installed, "sglang": "0.5.8"}, tp4=(64, 16)), "tuned with sglang 0.5.8"),
-    }
-    for name, (content, why) in cases.items():
-        profile.unlink(missing_ok=True)
-        if isinstance(content, str):
-            profile.write_text(content)
-        elif content is not None:
-            write_profile(profile, content.pop("software", installed), **content)
-        result = decisions(runtime_env, tuned, predicate, 4, profile)
+    why = {"absent": "no profile at", "corrupt": "cannot read", "another TP": "no limits for TP4 (tuned: TP8)",
+           "another release": "tuned with sglang 0.5.8", "another box": "made on another box"}
+    for name, result in results.items():
         assert result["fuses"] == baseline["fuses"] and result["oneshot"] == baseline["oneshot"], name
-        assert len(result["log"]) == 1 and why in result["log"][0], (name, result["log"])
+        assert len(result["log"]) == 1 and why[name] in result["log"][0], (name, result["log"])
         assert result["log"][0].endswith(": the release's own fusion limits hold"), name
-    another_box = json.loads(json.dumps({"kind": "sm120patch tuned limits", "format": 1,
-                                         "box": {"gpus": [{"bus_id": "0000:c1:00.0"}], "driver": "580.95.05"},
-                                         "entries": {"4": {"software": installed, "nccl_env": {}, "dtype": "bf16",
-                                                           "hidden": HIDDEN, "fused_max_bytes": 8,
-                                                           "oneshot_max_bytes": 8}}}))
-    profile.write_text(json.dumps(another_box))
-    result = decisions(runtime_env, tuned, predicate, 4, profile)
-    assert result["fuses"] == baseline["fuses"] and "made on another box" in result["log"][0]
 
 
 def test_sglang_059_applied_follows_the_profile_and_reverts_to_the_release(runtime_env, installed, tmp_path):
@@ -198,12 +201,11 @@ def test_sglang_059_applied_follows_the_profile_and_reverts_to_the_release(runti
         profile = tmp_path / "tuned-limits.json"
         write_profile(profile, installed, tp4=(128, 32), tp8=(32, 32))
         path = runtime_env.file(COMMUNICATOR)
-        at4 = decisions(runtime_env, path, "apply_flashinfer_allreduce_fusion", 4, profile)
+        at4, at8, at2 = decisions(runtime_env, path, "apply_flashinfer_allreduce_fusion", (profile, 4), (profile, 8),
+                                  (profile, 2))
         assert at4["fuses"] == {b: b <= 128 for b in BATCHES}
         assert at4["oneshot"] == {b: b <= 32 for b in BATCHES}
-        at8 = decisions(runtime_env, path, "apply_flashinfer_allreduce_fusion", 8, profile)
         assert at8["fuses"] == {b: b <= 32 for b in BATCHES}
-        at2 = decisions(runtime_env, path, "apply_flashinfer_allreduce_fusion", 2, profile)
         assert at2["fuses"] == {b: b <= 2048 for b in BATCHES} and "no limits for TP2" in at2["log"][0]
         # SGLang's own fused call (flashinfer_allreduce_residual_rmsnorm, called as layernorm.py calls
         # it) hands FlashInfer's kernel the profile's one-shot choice.
