@@ -89,7 +89,7 @@ def handled() -> Iterator[None]:
     previous = {s: signal.getsignal(s) for s in HANDLED}
     previous_hook = sys.unraisablehook
     STATE.installed, STATE.holding, STATE.committed, STATE.noted, STATE.late = True, 0, None, [], []
-    STATE.finished = False
+    STATE.finished, STATE.reading = False, False
     for s in HANDLED:
         signal.signal(s, _handler)
     sys.unraisablehook = lambda unraisable: dropped(unraisable, previous_hook)
