@@ -145,6 +145,18 @@ def test_with_names_valid_ids_and_refuses_required_ones(sm120patch, serving_env)
     assert changed(before, snapshot(serving_env)) == []
 
 
+def test_with_repeated_takes_every_value_as_the_comma_form_does(sm120patch, serving_env):
+    """`--with a --with b` is `--with a,b` (it used to keep only the last); an empty value is refused."""
+    repeated = sm120patch("apply", "--sglang", "--dry-run", "--with", "symm-mem", "--with", "auto-enable")
+    joined = sm120patch("apply", "--sglang", "--dry-run", "--with", "auto-enable,symm-mem")
+    assert repeated.exit_code == joined.exit_code == 0, repeated.output
+    assert repeated.output == joined.output
+    assert "server_args.py" in repeated.output and "all_reduce_utils.py" in repeated.output
+    empty = sm120patch("apply", "--sglang", "--with", "symm-mem", "--with", " , ")
+    assert empty.exit_code == ExitCode.USAGE
+    one_clear_error(empty.output, "names no patch")
+
+
 def test_apply_json_is_a_document_that_matches_the_files(sm120patch, serving_env):
     before = {f: serving_env.file(f).read_bytes() for f in (COMM,)}
     result = sm120patch("apply", "--json")

@@ -272,7 +272,8 @@ def invocation(ctx: click.Context):
             continue
         option = max(params[name].opts, key=len)
         selector_alone = name in dict(SELECTORS) and value == ANY
-        options.append((option, None if value is True or selector_alone else str(value)))
+        text = ",".join(value) if isinstance(value, tuple) else str(value)  # a repeatable option, as one value
+        options.append((option, None if value is True or selector_alone else text))
     return Invocation(ctx.command_path.partition(" ")[2], tuple(options))
 
 
@@ -296,9 +297,12 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
     names = dict(SELECTORS)
     chosen = {names[option]: pipeline.normalize_selector(option, value)
               for option, value in selectors.items() if option in names and value is not None}
-    ids = tuple(i.strip() for i in (with_ids or "").split(",") if i.strip())
-    if with_ids is not None and not ids:
-        raise click.BadParameter(f"{with_ids!r} names no patch; give opt-in patch ids, e.g. --with symm-mem "
+    # --with a,b and --with a --with b alike (each given value must name a patch).
+    given = (with_ids,) if isinstance(with_ids, str) else tuple(with_ids or ())
+    ids = tuple(dict.fromkeys(i.strip() for value in given for i in value.split(",") if i.strip()))
+    empty = [value for value in given if not value.strip(" ,")]
+    if empty:
+        raise click.BadParameter(f"{empty[0]!r} names no patch; give opt-in patch ids, e.g. --with symm-mem "
                                  "(`sm120patch list` shows them)", param_hint="--with")
     return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
                             dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
@@ -394,7 +398,8 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
                             INTERRUPTED]))
 @selector_options
-@click.option("--with", "with_ids", metavar="ID,...", default=None, help="Also apply these opt-in patches (see `list`).")
+@click.option("--with", "with_ids", metavar="ID,...", multiple=True,
+              help="Also apply these opt-in patches (see `list`); repeatable.")
 @python_option
 @source_option
 @click.option("--dry-run", is_flag=True, help="Print the unified diff; change nothing (a checkout: no branch, no commit).")
@@ -483,7 +488,7 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
                             (3, "refused: drift, no pinned patch set")]))
 @selector_options
-@click.option("--with", "with_ids", metavar="ID,...", default=None, help="Include these opt-in patches.")
+@click.option("--with", "with_ids", metavar="ID,...", multiple=True, help="Include these opt-in patches; repeatable.")
 @python_option
 @source_option
 @click.option("--force", is_flag=True, help="As apply --force: by meaning, for drifted files or unknown releases.")
