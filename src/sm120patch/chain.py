@@ -173,17 +173,19 @@ def next_step(chains: Sequence[Chain]) -> tuple[NextStep, ...]:
     flags = " and ".join(item.conditions)
     start = ("restart the server with " + " and ".join(f"`{c}`" if c.startswith("-") else c for c in item.conditions)
              if item.conditions else "restart the server")
+    def run(command: str, reason: str) -> NextStep:
+        return NextStep(command, reason, f"`{command}` ({reason})")
+
     steps = []
     # A hand fix that fuses as it is: completing it comes first, before the first build.
     if kernel.note and kernel.fix:
-        reason = "completes the partial patch: the kernel-gates step says what is missing"
-        steps.append(NextStep(kernel.fix, reason, f"`{kernel.fix}` ({reason})"))
+        steps.append(run(kernel.fix, "completes the partial patch: the kernel-gates step says what is missing"))
     if jit.fix:
-        build = "compiles trtllm_comm now, so that the start does not"
-        steps.append(NextStep(jit.fix, build, f"`{jit.fix}` ({build})"))
-    # Measuring comes before the restart: the release's own limits were tuned for NVLink.
+        steps.append(run(jit.fix, "compiles trtllm_comm now, so that the start does not"))
+    # Measuring comes before the restart: the release's own limits were tuned for NVLink. The tp
+    # step's note is that line (its command, then why).
     if tp.fix:
-        steps.append(NextStep(tp.fix, tp.note[len(tp.fix) + 4:-1], tp.note))
+        steps.append(run(tp.fix, tp.note.removeprefix(f"`{tp.fix}` (").removesuffix(")")))
     return tuple(steps) + (
         NextStep(None, f"restart the server with {flags}" if flags else "restart the server", start),
         NextStep(None, "check-log on its log says whether it fused",

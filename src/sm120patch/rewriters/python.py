@@ -200,6 +200,18 @@ def _insert_after(items: list, index: int, new_item):
     ]
 
 
+def _assigns(node: cst.CSTNode, name: str) -> bool:
+    """Whether the module-level statement ``node`` assigns ``name`` (plainly, annotated or augmented)."""
+    if not isinstance(node, cst.SimpleStatementLine):
+        return False
+    for small in node.body:
+        targets = ([t.target for t in small.targets] if isinstance(small, cst.Assign)
+                   else [small.target] if isinstance(small, (cst.AnnAssign, cst.AugAssign)) else [])
+        if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+            return True
+    return False
+
+
 @register
 class InsertStatementAfter(LibcstRewriter):
     """After the module-level assignment to ``anchor``, insert the statement ``statement``."""
@@ -217,26 +229,13 @@ class InsertStatementAfter(LibcstRewriter):
         statement = cst.parse_statement(self.args["statement"])
         statement_code = _code(statement)
 
-        def assigns_anchor(node: cst.CSTNode) -> bool:
-            if not isinstance(node, cst.SimpleStatementLine):
-                return False
-            for small in node.body:
-                targets = []
-                if isinstance(small, cst.Assign):
-                    targets = [t.target for t in small.targets]
-                elif isinstance(small, (cst.AnnAssign, cst.AugAssign)):
-                    targets = [small.target]
-                if any(isinstance(t, cst.Name) and t.value == anchor for t in targets):
-                    return True
-            return False
-
         class Transformer(_SiteTransformer):
             def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
                 body = list(updated_node.body)
                 if any(_code(node) == statement_code for node in body):
                     self.applied += 1
                     return updated_node
-                positions = [i for i, node in enumerate(body) if assigns_anchor(node)]
+                positions = [i for i, node in enumerate(body) if _assigns(node, anchor)]
                 self.found += len(positions)
                 for i in reversed(positions):
                     body.insert(i + 1, statement)
@@ -665,14 +664,7 @@ class InsertModuleCode(LibcstRewriter):
         def binds(node: cst.CSTNode) -> bool:
             if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
                 return node.name.value == before
-            if not isinstance(node, cst.SimpleStatementLine):
-                return False
-            for small in node.body:
-                targets = ([t.target for t in small.targets] if isinstance(small, cst.Assign)
-                           else [small.target] if isinstance(small, (cst.AnnAssign, cst.AugAssign)) else [])
-                if any(isinstance(t, cst.Name) and t.value == before for t in targets):
-                    return True
-            return False
+            return _assigns(node, before)
 
         class Transformer(_SiteTransformer):
             def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
