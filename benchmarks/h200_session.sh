@@ -13,6 +13,8 @@
 #                                             # a test-only build whose clamp answers 1 against a float32 reference
 #   bash benchmarks/h200_session.sh ranks     # TP2/4/8 with every rank a process on this one GPU: pytest -m gpu
 #                                             # tests/test_one_gpu.py, pristine vs patched (docs/one-gpu.md)
+#   bash benchmarks/h200_session.sh tuned     # issue #52 on this one GPU: SGLang 0.5.9's layer under a tuned-limits
+#                                             # profile (TP2, TP4), and `bench --tune` end to end (docs/tuning.md)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -22,7 +24,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
 python3 -m venv /tmp/env
 python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-case "${1:-build}" in clamp|ranks) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+case "${1:-build}" in clamp|ranks|tuned) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
 export PYTHONPATH=$PWD/src:/tmp/sm-deps
 P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
 step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -257,6 +259,40 @@ ranks)
         [ -e $RES/$v/patched-no-overlap-tp2.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('no-overlap:', sorted({r.get('error','') for r in d['records'] if 'error' in r})[:3])" $RES/$v/patched-no-overlap-tp2.json
     done
     tar -czf "$OUT/ranks-results.tar.gz" -C $RES .
+    ;;
+tuned)
+    # One patched environment of flashinfer-python 0.6.4 (<env>/ws its JIT cache base), trtllm_comm and
+    # norm built for 9.0a side by side, then the GPU tier's issue-#52 tests one node at a time, most
+    # important first, while TUNED_BUDGET seconds last. The layer's files (.servers/patched/sglang-tuned-0.5.9/)
+    # come from `one_gpu_ranks.py servers --suites sglang-tuned-0.5.9`, run where the wheels are.
+    T0=$(date +%s)
+    RES=$OUT/tuned && mkdir -p $RES
+    left() { echo $(( ${TUNED_BUDGET:-570} - ($(date +%s) - T0) )); }
+    export FLASHINFER_CUDA_ARCH_LIST=9.0a
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps --upgrade .whl/pytest-*.whl \
+        .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/click-*.whl .whl/packaging-*.whl .whl/gitpython-*.whl \
+        .whl/gitdb-*.whl .whl/smmap-*.whl .whl/libcst-*.whl
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,pci.bus_id --format=csv,noheader | tee $RES/gpu.txt
+    d=/tmp/fi-0.6.4-patched
+    python3 -m venv $d
+    python3 -c 'import site; print(site.getsitepackages()[0])' > "$($d/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+    $d/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-0.6.4-*.whl .whl/apache_tvm_ffi-*.whl
+    step python3 -m sm120patch apply --python $d/bin/python --jit-cache-base $d/ws 2>&1 | tee $RES/apply.txt
+    for module in "comm.trtllm_ar import get_trtllm_comm_module as g" "norm import get_norm_module as g"; do
+        ( FLASHINFER_WORKSPACE_BASE=$d/ws MAX_JOBS=16 /usr/bin/time -f "${module%% *}: %e s" $d/bin/python -c "from flashinfer.$module; g()" \
+            > $RES/build-${module%% *}.txt 2>&1 ) &
+    done
+    wait
+    echo "== builds ($(( $(date +%s) - T0 )) s): $(tail -qn 1 $RES/build-*.txt | tr '\n' ' ')"
+    for node in "sglang_layer and 2" "tuner and 2" "sglang_layer and 4"; do
+        tag=$(echo "$node" | tr -d ' ')
+        [ "$(left)" -gt 60 ] || { echo "skip $node: $(left) s left"; continue; }
+        t=$(( $(left) - 40 )); [ $t -gt 240 ] && t=240
+        env SM120PATCH_GPU_PYTHON=$d/bin/python SM120PATCH_ONE_GPU_SERVERS=$PWD/.servers SM120PATCH_ONE_GPU_OUT=$RES \
+            SM120PATCH_ONE_GPU_TIMEOUT=$t timeout $(( 2 * t + 30 )) python3 -m pytest -m gpu --noconftest -p no:cacheprovider \
+            -q -s -rA tests/test_one_gpu.py -k "$node" < /dev/null > $RES/pytest-$tag.txt 2>&1
+        echo "== $node (pytest exit $?, $(( $(date +%s) - T0 )) s): $(tail -n 1 $RES/pytest-$tag.txt)"
+    done
     ;;
 restart)
     step sm120patch apply "${P[@]}"

@@ -27,6 +27,19 @@ Suites:
                  SGLang's parallel-state getters (this gloo group, this rank, one node), the
                  server's arguments (--flashinfer-allreduce-fusion-backend at its default, auto,
                  one node) and is_sm90/sm100_supported (read from torch's capability)
+  sglang-tuned-VER
+                 SGLang's layer of that release patched with the opt-in tuned-limits (PATH: a
+                 directory from `servers`: its fusion predicate's file, its fused-call file, and
+                 suite.json naming the predicate), issue #52: for each batch size, the release's
+                 own predicate decides whether to fuse, and its own flashinfer_allreduce_residual_
+                 rmsnorm, called as layernorm.py calls it, hands the kernel the one-shot choice;
+                 under three profiles in turn (tuned: one written on this box by the inserted
+                 code's own fingerprint, fused up to 64 tokens and one-shot up to 16 at TP2 and
+                 TP4; none; a corrupt one). A batch not fused takes the unfused path (the allreduce,
+                 then FlashInfer's fused_add_rmsnorm, as the server's RMSNorm does). Every path's
+                 outputs are checked against the float32 reference. Stood in for: the server's
+                 SM120 answers (the predicate's is_sm120_supported and the inserted code's device
+                 check: the kernels run on this GPU as they are), the parallel state (sglang_names)
   vllm-VER       vLLM's flashinfer_all_reduce.py of that release: its own get_fi_ar_workspace
                  (backend auto, one node), then FlashInfer's allreduce_fusion with that workspace
                  as vLLM's fusion pass's op calls it (kARResidualRMSNorm, PDL, fp32_acc)
@@ -72,12 +85,12 @@ class Rank:
         with open(self.out_dir / f"rank{self.rank}.jsonl", "a") as handle:  # survives a crash or a kill
             handle.write(json.dumps(dict(record, rank=self.rank)) + "\n")
 
-    def check(self, suite: str, tokens: int, strategy: str, norm_out, residual_out) -> None:
+    def check(self, suite: str, tokens: int, strategy: str, norm_out, residual_out, **extra) -> None:
         import torch
 
         atol, rtol = TOLERANCE
         ref_norm, ref_residual = reference(tokens, HIDDEN, self.world, self.dtype)
-        row = {"suite": suite, "hidden": HIDDEN, "tokens": tokens, "strategy": strategy}
+        row = {"suite": suite, "hidden": HIDDEN, "tokens": tokens, "strategy": strategy, **extra}
         worst = 0.0
         for name, out, ref in (("norm", norm_out, ref_norm), ("residual", residual_out, ref_residual)):
             out = out.float().cpu()
@@ -220,6 +233,106 @@ def sglang(r: Rank, suite: str, path: str) -> None:
         r.event(suite, "log", log=logged, shim_calls=sorted(set(sd.CALLS[before:])))
 
 
+# sglang-tuned-VER: the profile's limits at hidden 4096, bf16, for TP2 and TP4 (tokens), and the
+# batch sizes asked: each side of both limits, and of the ranks' count (two-shot needs more tokens).
+TUNED_TOKENS = {"fused": 64, "oneshot": 16}
+TUNED_BATCHES = (1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 65, 128)
+
+
+def tuned_profiles(r: Rank, predicate) -> dict:
+    """Rank 0 writes the suite's profiles, the tuned one with the inserted code's own view of this
+    box and NCCL settings (what the server judges it by); every rank gets their paths."""
+    import torch.distributed as dist
+
+    paths = {"tuned": r.out_dir / "tuned.json", "none": r.out_dir / "absent.json", "corrupt": r.out_dir / "corrupt.json"}
+    if r.rank == 0:
+        import flashinfer
+
+        entry = {"created": "2026-12-05T00:00:00Z", "software": {"flashinfer-python": flashinfer.__version__},
+                 "nccl_env": predicate._sm120patch_nccl_env(), "dtype": "bf16", "hidden": HIDDEN,
+                 "fused_max_bytes": TUNED_TOKENS["fused"] * HIDDEN * 2,
+                 "oneshot_max_bytes": TUNED_TOKENS["oneshot"] * HIDDEN * 2}
+        paths["tuned"].write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1,
+                                              "box": predicate._sm120patch_box(),
+                                              "entries": {"2": entry, "4": entry}}))
+        paths["corrupt"].write_text('{"kind": "sm120patch tuned limits", "format": 1, "box": ')
+    dist.barrier()
+    return paths
+
+
+def sglang_tuned(r: Rank, suite: str, path: str) -> None:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from flashinfer.comm import trtllm_ar
+    from flashinfer.norm import fused_add_rmsnorm
+
+    sd, directory = r.sd, Path(path)
+    spec = json.loads((directory / "suite.json").read_text())
+    logged: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logging.getLogger().addHandler(Handler())
+    logging.getLogger().setLevel(logging.INFO)
+    predicate = sd.load_predicate(str(directory / "predicate.py"), spec["predicate"], sd.sglang_predicate_names(torch),
+                                  name="sglang.srt.layers.communicator")
+    # The inserted code's SM120 check asks torch (this GPU is SM90); the parallel state is this group.
+    predicate._sm120patch_is_sm120 = lambda: True
+    predicate._sm120patch_sglang_tp_size = lambda: r.world
+    for parent in ("sglang", "sglang.srt", "sglang.srt.layers"):
+        sys.modules.setdefault(parent, types.ModuleType(parent))
+    sys.modules["sglang.srt.layers.communicator"] = predicate  # where the fused call's module asks
+    module = sd.load_plain_functions(str(directory / "fusion.py"), f"sglang_fusion_{suite.replace('.', '_')}", logged,
+                                     sglang_names(r), whole=True)
+    handed: list = []
+
+    class Recorder:  # FlashInfer's comm package, recording the one-shot choice the kernel is handed
+        def __init__(self, comm):
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def trtllm_allreduce_fusion(self, **kwargs):
+            handed.append(kwargs["use_oneshot"])
+            return self.comm.trtllm_allreduce_fusion(**kwargs)
+
+    module._flashinfer_comm = Recorder(module._flashinfer_comm)
+    for profile, where in tuned_profiles(r, predicate).items():
+        os.environ["SM120PATCH_TUNED_LIMITS"] = str(where)
+        predicate._SM120PATCH_SEEN.clear()  # a fresh server process, as far as the inserted code can tell
+        del logged[:]
+        for tokens in TUNED_BATCHES:
+            x, residual, gamma = make_inputs(tokens, HIDDEN, r.rank, r.device, r.dtype)
+            fuses = bool(getattr(predicate, spec["predicate"])(tokens))
+            dist.barrier()
+            try:
+                if fuses:
+                    handed.clear()
+                    norm_out, residual_out = module.flashinfer_allreduce_residual_rmsnorm(
+                        input_tensor=x, residual=residual, weight=gamma, eps=EPS)
+                    given = handed[-1] if handed else "no kernel call"
+                    oneshot = given if given is not None else trtllm_ar._should_use_oneshot(tokens, HIDDEN, r.dtype,
+                                                                                           r.world)
+                    strategy = "oneshot" if oneshot else "twoshot"
+                else:
+                    given, strategy = None, "unfused"
+                    host = x.float().cpu()
+                    dist.all_reduce(host)  # gloo: NCCL refuses two ranks on one GPU
+                    norm_out, residual_out = x.new_empty(x.shape).copy_(host), residual.clone()
+                    fused_add_rmsnorm(norm_out, residual_out, gamma, EPS)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a refusal is a result
+                r.write({"suite": suite, "profile": profile, "tokens": tokens, "error": first_line(exc)})
+                continue
+            r.check(suite, tokens, strategy, norm_out, residual_out, profile=profile, fuses=fuses, handed=given)
+        r.event(suite, "log", profile=profile, log=[line for line in logged if "sm120patch" in line])
+
+
 def vllm(r: Rank, suite: str, path: str) -> None:
     import torch.distributed as dist
 
@@ -264,6 +377,8 @@ def worker(args) -> None:
                 legacy(r)
             elif suite == "unified":
                 unified(r)
+            elif suite.startswith("sglang-tuned-"):
+                sglang_tuned(r, suite, servers[suite])
             elif suite.startswith("sglang-"):
                 sglang(r, suite, servers[suite])
             elif suite.startswith("vllm-"):
@@ -401,12 +516,9 @@ def servers(args) -> int:
     registry = load_registry()
     out = Path(args.out)
     made = {}
-    for suite in args.suites.split(","):
-        dist, version = suite.split("-", 1)
-        path = SERVER_FILES[dist]
-        pristine = zipfile.ZipFile(fetch_wheel(dist, version, Path(args.wheel_cache))).read(path)
-        patch_set = registry.get(dist).find(Version(version))
-        patches = patch_set.patches_for(path) if patch_set else []
+
+    def checked(dist: str, version: str, path: str, pristine: bytes, patches) -> bytes:
+        """The bytes ``patches`` make of ``path``, each state checked against the manifest."""
         patched = apply_edits(pristine, patches, where=f"{dist} {version}") if patches else pristine
         manifest = json.loads((HERE.parent / "vendor-manifests" / dist / f"{version}.json").read_text())
         entry = manifest["files"].get(path, {})
@@ -416,7 +528,34 @@ def servers(args) -> int:
                                                                                  hashlib.sha256(pristine).hexdigest())}
         for label, data in (("pristine", pristine), ("patched", patched)):
             if hashlib.sha256(data).hexdigest() != expected[label]:
-                raise SystemExit(f"{suite}: {label} {path} is not the manifest's ({expected[label][:12]})")
+                raise SystemExit(f"{dist} {version}: {label} {path} is not the manifest's ({expected[label][:12]})")
+        return patched
+
+    for suite in args.suites.split(","):
+        dist, version = suite.split("-", 1)
+        if version.startswith("tuned-"):  # the layer with tuned-limits: a directory of its two files
+            version = version[len("tuned-"):]
+            wheel = zipfile.ZipFile(fetch_wheel(dist, version, Path(args.wheel_cache)))
+            patch_set = registry.get(dist).find(Version(version))
+            chosen = patch_set.select(["tuned-limits"])
+            tuned = patch_set.patch("tuned-limits")
+            predicate = next(e.params["function"] for e in tuned.edits if "function" in e.params)
+            fused = patch_set.patch("tuned-oneshot").file
+            target = out / "patched" / suite
+            target.mkdir(parents=True, exist_ok=True)
+            for name, path in (("predicate.py", tuned.file), ("fusion.py", fused)):
+                patches = [p for p in chosen if p.file == path]
+                (target / name).write_bytes(checked(dist, version, path, wheel.read(path), patches))
+            (target / "suite.json").write_text(json.dumps({"predicate": predicate}))
+            made[suite] = {"files": [tuned.file, fused], "patches": [p.id for p in chosen], "predicate": predicate}
+            print(f"{suite}: {tuned.file} and {fused}: {', '.join(made[suite]['patches'])}")
+            continue
+        path = SERVER_FILES[dist]
+        pristine = zipfile.ZipFile(fetch_wheel(dist, version, Path(args.wheel_cache))).read(path)
+        patch_set = registry.get(dist).find(Version(version))
+        # What `sm120patch apply` writes: the required patches (the opt-in ones have suites of their own).
+        patches = [p for p in patch_set.select() if p.file == path] if patch_set else []
+        patched = checked(dist, version, path, pristine, patches)
         for label, data in (("pristine", pristine), ("patched", patched)):
             (out / label).mkdir(parents=True, exist_ok=True)
             (out / label / f"{suite}.py").write_bytes(data)

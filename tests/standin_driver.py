@@ -279,6 +279,50 @@ def load_plain_functions(path: str, name: str, log: list, names: dict | None = N
     sys.modules[name] = module
     return module
 
+# The module-level names SGLang's fusion predicates read (communicator.py to 0.5.20,
+# layer_boundary/residual/add_norm.py from 0.5.21), besides the predicate itself.
+PREDICATE_FLAGS = ("_is_cuda", "_is_flashinfer_available", "_is_sm90_supported", "_is_sm100_supported",
+                   "_is_sm120_supported", "FUSE_ALLREDUCE_MAX_BATCH_SIZE")
+
+
+def sglang_predicate_names(torch) -> dict:
+    """What an SGLang fusion predicate asks of the rest of the server, answered as a single-node
+    server with fusion on (--enable-flashinfer-allreduce-fusion, backend trtllm, no DP attention)
+    answers on an SM120 GPU."""
+    ns = types.SimpleNamespace
+    return dict(
+        torch=torch, is_cuda=lambda: True, is_flashinfer_available=lambda: True,
+        is_sm90_supported=lambda device=None: False, is_sm100_supported=lambda device=None: False,
+        is_sm120_supported=lambda device=None: True,
+        get_platform=lambda: ns(is_sm90=False, is_sm100=False, is_sm120=True),
+        is_dp_attention_enabled=lambda: False, is_flashinfer_allreduce_unavailable=lambda: False,
+        uses_cutedsl_ar_fusion=lambda: False,
+        get_global_server_args=lambda: ns(enable_flashinfer_allreduce_fusion=True,
+                                          flashinfer_allreduce_fusion_backend="trtllm"),
+        get_exec=lambda: ns(comm=ns(flashinfer_allreduce_fusion_backend="trtllm")))
+
+
+def load_predicate(path: str, predicate: str, names: dict, name: str = "sglang_predicate") -> types.ModuleType:
+    """A module ``name`` holding, from the server file at ``path`` as written, the fusion
+    predicate ``predicate``, the module-level flags it reads (PREDICATE_FLAGS) and every name
+    sm120patch's patches inserted (``_sm120patch*``), run with ``names`` given first."""
+    import ast
+
+    def bound(node) -> list:
+        if isinstance(node, ast.FunctionDef):
+            return [node.name]
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        return [t.id for t in targets if isinstance(t, ast.Name)]
+
+    def wanted(node) -> bool:
+        return any(n == predicate or n in PREDICATE_FLAGS or n.lower().startswith("_sm120patch") for n in bound(node))
+
+    tree = ast.parse(open(path).read())
+    module = types.ModuleType(name)
+    module.__dict__.update(names)
+    exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
+    return module
+
 if __name__ == "__main__":  # python standin_driver.py -c CODE [ARGS...]: run CODE, which installs the stand-in
     code = sys.argv[2]
     sys.argv = ["-c", *sys.argv[3:]]

@@ -113,6 +113,23 @@ def test_a_world_size_the_kernel_refuses_names_the_sizes_and_a_working_one():
     assert bench.preflight(request(tp=2), target(devices=(H200,) * 3), flashinfer_verdict="patched") == 2
 
 
+def test_ranks_on_one_gpu_only_for_the_tuner_and_only_when_a_test_asks(monkeypatch):
+    """SM120PATCH_TUNE_ONE_GPU=1 (test-only: the lent single-GPU machine) lets --tune put --tp ranks on
+    the one visible GPU; without it, or for a plain bench, one GPU is refused as before. The
+    workers are told (config "one_gpu"); a run with it can still write no profile (the tuner's
+    refusal of shared GPUs, tests/test_tuning.py)."""
+    one = target(devices=(H200,))
+    with pytest.raises(UsageError, match="bench needs at least 2 GPUs"):
+        bench.preflight(request(tp=2, tune=True), one, flashinfer_verdict="patched")
+    monkeypatch.setenv("SM120PATCH_TUNE_ONE_GPU", "1")
+    assert bench.preflight(request(tp=4, tune=True), one, flashinfer_verdict="patched") == 4
+    with pytest.raises(UsageError, match="bench needs at least 2 GPUs"):
+        bench.preflight(request(tp=2), one, flashinfer_verdict="patched")
+    with pytest.raises(UsageError, match="bench needs at least 2 GPUs; /srv/env/bin/python sees none"):
+        bench.preflight(request(tp=2, tune=True), target(devices=()), flashinfer_verdict="patched")
+    assert bench.runner.ranks_on_one_gpu(request(tune=True)) and not bench.runner.ranks_on_one_gpu(request())
+
+
 def test_unpatched_flashinfer_on_sm120_is_refused_with_the_apply_command():
     with pytest.raises(RefusedError) as raised:
         bench.preflight(request(), target(devices=(RTX_PRO_6000,) * 2), flashinfer_verdict="not patched")

@@ -129,3 +129,101 @@ def test_lamport_stride_patched_is_correct_where_pristine_is_recorded(world):
     rnd = patched["rounds"][0]
     assert not rnd["hung"], f"patched TP{world}: rank(s) {rnd['hung_ranks']} hung"
     assert patched["correct"] == world * patched["calls"], (OUT / f"lamport-patched-tp{world}.txt").read_text()
+
+
+# -- issue #52: the tuner, and SGLang's layer under a tuned-limits profile -----------------------
+
+TUNE_TOKENS = (1, 16, 64, 256)
+
+
+def tune(world: int, profile: Path, **env) -> tuple[int, dict]:
+    """`sm120patch bench --tune` on the patched environment, every rank on this one GPU
+    (SM120PATCH_TUNE_ONE_GPU=1, the tuner's test-only switch): its exit code and --json document."""
+    import sys
+
+    python = Path(PATCHED)
+    environ = dict(environment(PATCHED), SM120PATCH_TUNE_ONE_GPU="1", **env,
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "sm120patch", "bench", "--tune", "--python", str(python),
+                           "--jit-cache-base", str(python.parent.parent / "ws"), "--tp", str(world), "--hidden", "4096",
+                           "--tokens", ",".join(map(str, TUNE_TOKENS)), "--repeats", "3", "--profile", str(profile),
+                           "--json"], capture_output=True, text=True, env=environ, timeout=TIMEOUT + 60)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"tune-tp{world}{'-forced' if env else ''}.txt").write_text(proc.stdout + proc.stderr)
+    print(proc.stdout + proc.stderr)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tuner_with_ranks_on_one_gpu_checks_every_path_and_writes_no_profile_unless_forced(world, tmp_path):
+    """The tuner end to end on one GPU: every pair completes its fused call, every path at every
+    size is within tolerance of the float32 reference on every rank, and then it refuses (exit 3)
+    to write a profile from time-sliced ranks, saying why; forced by the test-only
+    SM120PATCH_TUNE_ALLOW_SHARED_GPU=1, it writes one that the servers' own code accepts on this
+    box."""
+    from sm120patch import _tuned_runtime as runtime
+
+    profile = tmp_path / "tuned-limits.json"
+    code, document = tune(world, profile)
+    assert code == 3 and not profile.exists(), document
+    [error] = document["errors"]
+    assert "ranks 0 and 1 ran on one GPU" in error and "no profile was written" in error
+    rows = document["entry"]["table"]
+    assert [row["tokens"] for row in rows] == list(TUNE_TOKENS)
+    for row in rows:
+        checks = {k: v for k, v in row.items() if k.endswith("_check")}
+        assert "unfused_check" in checks and all(v <= 1.0 for v in checks.values()), row
+        assert ("twoshot_check" in checks) == (row["tokens"] > world), row
+
+    code, document = tune(world, profile, SM120PATCH_TUNE_ALLOW_SHARED_GPU="1")
+    assert code == 0 and document["errors"] == [] and profile.exists(), document
+    written = json.loads(profile.read_text())
+    entry, why = runtime._sm120patch_judge(written, world, runtime._sm120patch_box(), runtime._sm120patch_nccl_env(),
+                                           {"flashinfer-python": written["entries"][str(world)]["software"].get(
+                                               "flashinfer-python")})
+    assert why == "" and entry is not None and written["box"] == runtime._sm120patch_box()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sglang_layer_under_a_tuned_profile_takes_each_path_where_it_says(world):
+    """SGLang 0.5.9's layer patched with tuned-limits (its own predicate and fused call), ranks on
+    this GPU: under a profile made on this box (fused up to 64 tokens, one-shot up to 16) it takes
+    one-shot up to 16 tokens (and at or below the ranks' count), two-shot above, and the unfused path
+    past 64, each within tolerance on every rank, and logs the limits; with no profile or a corrupt
+    one it fuses every batch with FlashInfer's own one-shot choice, as today's patched server does,
+    and logs why once."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from one_gpu_ranks import TUNED_BATCHES, TUNED_TOKENS
+
+    suite = "sglang-tuned-0.5.9"
+    out = OUT / f"tuned-tp{world}.json"
+    OUT.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([PATCHED, str(ROOT / "benchmarks" / "one_gpu_ranks.py"), "run", "--world", str(world),
+                           "--label", "tuned", "--suites", suite, "--server",
+                           f"{suite}={Path(SERVERS) / 'patched' / suite}", "--out", str(out), "--timeout", str(TIMEOUT)],
+                          capture_output=True, text=True, env=environment(PATCHED), timeout=TIMEOUT + 60)
+    print(proc.stdout + proc.stderr)
+    document = json.loads(out.read_text())
+    launch = document["launch"]
+    assert launch["hung"] == [] and all(code == 0 for code in launch["exit_codes"]), launch
+    rows = [r for r in document["records"] if r.get("suite") == suite and "event" not in r]
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    taken = {}
+    for row in rows:
+        taken.setdefault(row["profile"], {}).setdefault(row["tokens"], set()).add(row["strategy"])
+    assert all(len(paths) == 1 for by in taken.values() for paths in by.values()), taken  # every rank alike
+    paths = {profile: {t: paths.pop() for t, paths in by.items()} for profile, by in taken.items()}
+    fused, oneshot = TUNED_TOKENS["fused"], TUNED_TOKENS["oneshot"]
+    assert paths["tuned"] == {t: "unfused" if t > fused else "oneshot" if t <= max(oneshot, world) else "twoshot"
+                              for t in TUNED_BATCHES}
+    assert paths["none"] == paths["corrupt"] == {t: "oneshot" for t in TUNED_BATCHES}  # FlashInfer's rule at TP2/TP4
+    assert {r["handed"] for r in rows if r["profile"] != "tuned"} == {None}
+    logs = {e["profile"]: e["log"] for e in document["records"] if e.get("event") == "log" and e.get("rank") == 0}
+    assert len(logs["tuned"]) == 1 and logs["tuned"][0].startswith(
+        f"sm120patch tuned limits in force at TP{world}: fused up to {fused * 4096 * 2} bytes, "
+        f"one-shot up to {oneshot * 4096 * 2} bytes (profile "), logs
+    assert len(logs["none"]) == 1 and "no profile at" in logs["none"][0]
+    assert len(logs["corrupt"]) == 1 and "cannot read" in logs["corrupt"][0]

@@ -60,26 +60,9 @@ PREDICATE_SCRIPT = r"""
 import os
 path, predicate, hidden = sys.argv[1], sys.argv[2], int(sys.argv[3])
 batches, cases = json.loads(sys.argv[4]), json.loads(sys.argv[5])
-FLAGS = ("_is_cuda", "_is_flashinfer_available", "_is_sm90_supported", "_is_sm100_supported", "_is_sm120_supported",
-         "FUSE_ALLREDUCE_MAX_BATCH_SIZE")
-def wanted(node):
-    names = [node.name] if isinstance(node, ast.FunctionDef) else [
-        t.id for t in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
-        if isinstance(t, ast.Name)] if isinstance(node, (ast.Assign, ast.AnnAssign)) else []
-    return any(n == predicate or n in FLAGS or n.lower().startswith("_sm120patch") for n in names)
-tree = ast.parse(open(path).read())
-module = types.ModuleType("sglang_predicate")
-ns = types.SimpleNamespace
-module.__dict__.update(
-    torch=torch, is_cuda=lambda: True, is_flashinfer_available=lambda: True,
-    is_sm90_supported=lambda device=None: False, is_sm100_supported=lambda device=None: False,
-    is_sm120_supported=lambda device=None: True,
-    get_platform=lambda: ns(is_sm90=False, is_sm100=False, is_sm120=True),
-    is_dp_attention_enabled=lambda: False, is_flashinfer_allreduce_unavailable=lambda: False,
-    uses_cutedsl_ar_fusion=lambda: False,
-    get_global_server_args=lambda: ns(enable_flashinfer_allreduce_fusion=True, flashinfer_allreduce_fusion_backend="trtllm"),
-    get_exec=lambda: ns(comm=ns(flashinfer_allreduce_fusion_backend="trtllm")))
-exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
+sys.path.insert(0, sys.argv[6])
+from standin_driver import load_predicate, sglang_predicate_names
+module = load_predicate(path, predicate, sglang_predicate_names(torch))
 decide = getattr(module, predicate)
 oneshot = module.__dict__.get("_sm120patch_use_oneshot", lambda use_oneshot, *args: use_oneshot)
 results = []
@@ -116,7 +99,7 @@ def predicate_file(files: dict[str, bytes]) -> tuple[str, bytes]:
 def decisions(env, path: Path, predicate: str, *cases: tuple[Path, int]) -> list[dict]:
     """What the predicate in ``path`` decides for each case (a profile, a TP size), in one process."""
     results = run_script(env, PREDICATE_SCRIPT, cases[0][0], str(path), predicate, str(HIDDEN), json.dumps(BATCHES),
-                         json.dumps([[str(profile), tp] for profile, tp in cases]))["cases"]
+                         json.dumps([[str(profile), tp] for profile, tp in cases]), str(Path(__file__).parent))["cases"]
     return [_keyed(result) for result in results]
 
 

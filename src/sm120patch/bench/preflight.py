@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +15,11 @@ from sm120patch.invocation import command
 # trtllm_allreduce_fusion refuses any other world size ("Supported ranks: 2, 4, 8, 16").
 SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
 STRATEGIES = ("auto", "oneshot", "twoshot", "both")
+# For tests only (the lent single-GPU machine): --tune with every rank a process on GPU 0, over gloo
+# (NCCL refuses two ranks on one device) and without CUDA graphs. The ranks take turns on the GPU, so
+# their timings mean nothing: the tuner then refuses to write a profile (profile.refuse_shared_gpus)
+# unless SM120PATCH_TUNE_ALLOW_SHARED_GPU=1 forces it too.
+ONE_GPU = "SM120PATCH_TUNE_ONE_GPU"
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,11 @@ def parse_int_list(text: str, *, option: str, minimum: int, maximum: int, multip
     return tuple(sorted(set(values)))
 
 
+def ranks_on_one_gpu(request: BenchRequest) -> bool:
+    """Whether this run puts every rank on GPU 0 (the test-only ONE_GPU switch, --tune only)."""
+    return request.tune and os.environ.get(ONE_GPU) == "1"
+
+
 def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: str | None,
               aot_shadows: Sequence[str] = (), servers: Sequence[Chain] = ()) -> int:
     """Every reason the run cannot start, as one clear error; returns the world size.
@@ -85,7 +96,8 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
                           hint="run bench on the GPU server, with the CUDA build of torch the server uses"
                           if cuda_only and not target.cuda else elsewhere)
     visible = len(target.devices)
-    if visible < 2:
+    one_gpu = ranks_on_one_gpu(request) and visible >= 1
+    if visible < 2 and not one_gpu:
         raise UsageError(f"bench needs at least 2 GPUs; {python} sees {visible} ({target.devices[0][0]})"
                          if visible else f"bench needs at least 2 GPUs; {python} sees none",
                          hint="the fused allreduce runs across 2, 4, 8 or 16 GPUs (check CUDA_VISIBLE_DEVICES)")
@@ -96,7 +108,7 @@ def preflight(request: BenchRequest, target: TargetInfo, *, flashinfer_verdict: 
             f"--tp {tp}: FlashInfer's fused allreduce runs at {sizes} ranks" + ("" if request.tp else f" ({visible} GPUs are visible)"),
             hint=f"pass --tp {max(s for s in SUPPORTED_WORLD_SIZES if s <= visible)}" if visible >= 2 else None,
         )
-    if tp > visible:
+    if tp > visible and not one_gpu:
         raise UsageError(f"--tp {tp}: {python} sees only {visible} GPUs")
     used = target.devices[:tp]
     if any(major == 12 for _, major, _ in used):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sm120patch.bench.preflight import BenchRequest
+from sm120patch.bench.preflight import BenchRequest, ranks_on_one_gpu
 from sm120patch.bench.report import BenchReport, Case
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, TargetError, UsageError
 from sm120patch.fusionpath import FusionVerdict
@@ -91,6 +91,7 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     }
     if tune is not None:
         config["tune"] = tune
+    config["one_gpu"] = ranks_on_one_gpu(request)
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
 
