@@ -9,8 +9,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -276,7 +278,8 @@ def test_a_misspelt_opt_in_patch_or_distribution_gets_the_nearest_name(read_only
 
 
 @pytest.mark.parametrize("command, changes", [("status", False), ("doctor", False), ("verify", False),
-                                              ("check-log", False), ("apply", True), ("revert", True)])
+                                              ("check-log", False), ("diff", False), ("list", False),
+                                              ("bench", False), ("apply", True), ("revert", True)])
 def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, changes):
     """A command that changes nothing does not promise a rollback of a change it never makes."""
     text = run_cli(command, "--help").output
@@ -284,6 +287,33 @@ def test_each_help_says_what_an_interrupt_leaves_for_that_command(command, chang
     line = " ".join(codes[codes.index("130 "):].split())  # the last code, its lines (wrapped at 80 columns) joined
     assert ("the change in progress was rolled back" in line) == changes
     assert ("nothing of the environment was changed" in line) == (not changes)
+
+
+@pytest.mark.parametrize("command", ["status", "doctor", "verify", "diff", "list", "bench"])
+def test_an_interrupted_command_that_changes_nothing_says_so(command, tmp_path):
+    """Interrupted while it waits on the target interpreter (one that never answers), a command
+    that only reads says it changed nothing, as its --help says, not that it rolled a change back."""
+    python = tmp_path / "python3"
+    python.write_text('#!/bin/sh\ntouch "$0.started"\nexec sleep 120\n')
+    python.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "sm120patch", command, "--python", str(python)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, HOME=str(tmp_path)))
+    try:
+        for _ in range(600):
+            if Path(f"{python}.started").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        try:  # the interpreter it waited on, and sm120patch itself if it did not stop
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130, err
+    assert err == "sm120patch: interrupted (SIGINT); this command changes nothing\n", err
 
 
 def test_a_bad_arch_list_gets_the_same_command_with_a_good_one(read_only_env):

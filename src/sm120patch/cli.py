@@ -376,6 +376,7 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
+    signals.STATE.reading = True
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
@@ -486,7 +487,7 @@ def revert(python, source, force, dry_run, jit_cache_base, wheel_dir, as_json, *
                             "patch -p1 < sm120.patch -d \"$(~/ml-env/bin/python3 \\\n"
                             "    -c 'import sysconfig; print(sysconfig.get_path(\"purelib\"))')\"   # the same change by hand"],
                            [(0, "the diff (or, on stderr, that there is nothing to apply)"), USAGE,
-                            (3, "refused: drift, no pinned patch set")]))
+                            (3, "refused: drift, no pinned patch set"), INTERRUPTED_READING]))
 @selector_options
 @click.option("--with", "with_ids", metavar="ID,...", multiple=True, help="Include these opt-in patches; repeatable.")
 @python_option
@@ -497,6 +498,7 @@ def diff(with_ids, python, source, force, **selectors):
     or the checkout's root: `patch -p1` and `git apply` accept it there. Changes nothing."""
     from sm120patch import changes, render
 
+    signals.STATE.reading = True
     report = changes.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
     return show(report, False, render.render_diff, note=render.diff_note, nl=False)
 
@@ -522,6 +524,7 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
     from sm120patch import pipeline, render, verify as checks
     from sm120patch.progress import line_progress
 
+    signals.STATE.reading = True
     report = checks.verify(pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)),
                            runtime=runtime, compile_=compile_, build=build, progress=line_progress(quiet=as_json))
     return show(report, as_json, render.render_verify, render.verify_json)
@@ -538,6 +541,7 @@ def doctor(python, jit_cache_base, as_json):
     version pins, upstream fixes, whether SGLang turns fusion on by itself."""
     from sm120patch import doctor as checks, pipeline, render
 
+    signals.STATE.reading = True
     report = checks.doctor(lambda device: pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base),
                                                           device=device))
     return show(report, as_json, render.render_doctor, render.doctor_json)
@@ -604,6 +608,7 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
     from sm120patch.bench import profile
     from sm120patch.progress import BenchProgress
 
+    signals.STATE.reading = True  # the profile is written last, atomically: an interrupt leaves none
     given = {name for name in ("hidden", "dtype", "model", "profile_path", "repeats", "check_only", "strategy")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     if not tune and given & {"model", "profile_path", "repeats"}:
@@ -696,7 +701,7 @@ def export(source, out):
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
              epilog=epilog(["sm120patch list", "sm120patch list --python ~/ml-env/bin/python3",
-                            "sm120patch list --json | jq '.distributions.sglang.releases | keys'"], [(0, "printed"), USAGE]))
+                            "sm120patch list --json | jq '.distributions.sglang.releases | keys'"], [(0, "printed"), USAGE, INTERRUPTED_READING]))
 @python_option
 @json_option
 def list_(python, as_json):
@@ -705,6 +710,7 @@ def list_(python, as_json):
     from sm120patch import distributions, environment, render
     from sm120patch.reports import ListReport
 
+    signals.STATE.reading = True
     registry = distributions.load_registry(full=False)
     installed = target = None
     if python:

@@ -39,7 +39,7 @@ class _State:
     finished = False  # the command's outcome is decided (the CLI sets it before it exits)
     holding = 0  # > 0: signals are noted, not raised
     committed: str | None = None  # the operation whose commit point this process passed
-    reading = False  # the command changes nothing (check-log): an interrupt has nothing to roll back
+    reading = False  # the command changes nothing (status, check-log, ...): an interrupt has nothing to roll back
     noted: list[int] = []  # signals that arrived while holding (not raised)
     late: list[int] = []  # of those, the ones that arrived after a commit point
 
