@@ -584,3 +584,21 @@ def test_tune_gives_the_worker_the_paths_and_prints_and_keeps_the_pcie_ipc_colum
     document = json.loads(tuned("--hidden", "4096", "--profile", str(path), "--json", pcie_ipc=[SGLANG_PATH, vllm],
                                 rows=rows, made=made).stdout)
     assert document["pcie_ipc"] == made and document["entry"]["table"] == rows
+
+
+def test_where_sglang_does_not_import_its_tune_batches_are_its_own(wheel_cache):
+    """The worker's fallback sizes SGLang's tune batches as pcie_ipc_ar.py's _tune_batches does
+    (read from the 0.5.21 and 0.5.23 wheels and run here), for the widths a server gets."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("worker", Path(bench.__file__).with_name("_bench_worker.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    for version in ("0.5.21", "0.5.23"):
+        with zipfile.ZipFile(fetch_wheel("sglang", version, wheel_cache)) as wheel:
+            tree = ast.parse(wheel.read("sglang/srt/distributed/device_communicators/pcie_ipc_ar.py").decode())
+        function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_tune_batches")
+        namespace: dict = {}
+        exec(compile(ast.Module([function], []), "pcie_ipc_ar.py", "exec"), namespace)
+        for rows in (1, 8, 48, 64, 160, 256, 512, 700, 2048):
+            assert worker.pcie_ipc_batches(rows) == namespace["_tune_batches"](rows), rows
