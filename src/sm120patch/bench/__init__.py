@@ -12,8 +12,9 @@ its JIT cache on first use, exactly as the server's first start would.
 
 With ``--tune`` it measures instead where fusion wins on this box at this TP size: every pair
 of ranks completes one small fused call first (a pair that fails or hangs is named), then at
-each size one-shot, two-shot and NCCL + norm are checked against the reference and timed in
-several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
+each size one-shot, two-shot, NCCL + norm and each installed server's PCIe-IPC allreduce + norm
+(``pcie_ipc_paths``, where its server sends that size) are checked against the reference and
+timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
 and ``profile`` writes them, with the whole table, into the profile the patched servers read.
 
 - ``target``: what the target interpreter has; ``preflight``: the options and every reason the

@@ -6,7 +6,8 @@
 # FlashInfer's fused allreduce + residual add + RMSNorm (the call SGLang makes) against an
 # NCCL allreduce followed by a reference RMSNorm in float32, then times the fused call against
 # the unfused pair (NCCL allreduce + FlashInfer's fused_add_rmsnorm), in CUDA graphs where they
-# can be captured.
+# can be captured. With "tune" it measures the paths the tuner derives limits from, each
+# server's PCIe-IPC allreduce among them (make_pcie_ipc: made with the server's own class).
 #
 # Protocol with the parent (sm120patch.bench): the configuration arrives as JSON in
 # SM120PATCH_BENCH_CONFIG; rank 0 writes progress as JSON lines to the file descriptor in
