@@ -463,7 +463,7 @@ def make_pcie_ipc(spec, world, group, cpu_group, device, hidden, dtype, tokens, 
 
     name, rows = spec["name"], spec["rows"]
     info = {"name": name, "column": spec["column"], "server": spec["server"], "switch": spec["switch"], "rows": rows,
-            "how": None, "error": None}
+            "how": None, "error": None, "log": []}
     made = {"allreduce": None, "takes": None, "around": None, "destroy": None, "info": info}
     module_name, class_name = spec["code"].split(":")
     lines = _Lines(module_name)
@@ -546,7 +546,7 @@ def make_pcie_ipc(spec, world, group, cpu_group, device, hidden, dtype, tokens, 
         info["error"] = last_line(exc)
     if info["error"]:
         made.update(allreduce=None, destroy=None)
-    lines.close()
+    info["log"] = lines.close()  # what the server's module warned about (an autotune it skipped, ...)
     everyone = [None] * world
     dist.all_gather_object(everyone, info["error"], group=group)
     failed = [e for e in everyone if e]
