@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import tomllib
 import traceback
 from pathlib import Path
@@ -132,15 +131,9 @@ def rank_main(args) -> None:
 
 
 def run(args) -> int:
-    out_dir = Path(tempfile.mkdtemp(prefix=f"pcie-ipc-tp{args.world}-"))
     command = [sys.executable, __file__, "run", "--world", str(args.world), "--paths", args.paths,
                "--hidden", str(args.hidden), "--tokens", args.tokens, "--out", args.out]
-    result = one_gpu.launch(command, args.world, args.timeout, out_dir, env={"ONE_GPU_OUT": str(out_dir)})
-    records = []
-    for rank in range(args.world):
-        path = out_dir / f"rank{rank}.jsonl"
-        if path.exists():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    result, records = one_gpu.launch_and_collect(command, args.world, args.timeout, f"pcie-ipc-tp{args.world}-")
     document = {"world": args.world, "paths": args.paths.split(","), "hidden": args.hidden, "tokens": args.tokens,
                 "tolerance": TOLERANCE, "launch": result, "records": records}
     Path(args.out).write_text(json.dumps(document, indent=1))
