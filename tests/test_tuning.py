@@ -510,10 +510,11 @@ def test_the_tuner_times_the_pcie_ipc_paths_the_installed_releases_have(releases
 
 def test_the_paths_data_names_the_servers_real_code_and_switch(wheel_cache):
     """Each [[pcie_ipc]] row is true of the wheels: the class is defined in that module of the
-    first and last release of its range, the switch is read in the release's environ/envs, and
-    FlashInfer has PcieIpcAllReduceWorkspace from 0.7.0 (not in 0.6.17)."""
+    first and last release of its range (and the module is absent from the release before it),
+    the switch is read in the release's environ/envs, and FlashInfer has PcieIpcAllReduceWorkspace
+    from 0.7.0 (not in 0.6.17)."""
     registry = load_registry(full=False)
-    for name, releases in (("sglang", ("0.5.21", "0.5.23")), ("vllm", ("0.31.0", "0.34.0"))):
+    for name, releases in (("sglang", ("0.5.21", "0.5.23")), ("vllm", ("0.30.0", "0.34.0"))):
         (row,) = registry.get(name).pcie_ipc
         assert row.name in UNFUSED_PATHS
         module, _, cls = row.code.partition(":")
@@ -522,6 +523,8 @@ def test_the_paths_data_names_the_servers_real_code_and_switch(wheel_cache):
                 source = wheel.read(module.replace(".", "/") + ".py").decode()
                 settings = wheel.read("sglang/srt/environ.py" if name == "sglang" else "vllm/envs.py").decode()
             assert f"class {cls}" in source and row.switch.split("=")[0] in settings
+        with zipfile.ZipFile(fetch_wheel(name, {"sglang": "0.5.20", "vllm": "0.29.0"}[name], wheel_cache)) as wheel:
+            assert module.replace(".", "/") + ".py" not in wheel.namelist()  # the release before the range has none
     for version, has in (("0.7.0", True), ("0.6.17", False)):
         with zipfile.ZipFile(fetch_wheel("flashinfer-python", version, wheel_cache)) as wheel:
             assert ("PcieIpcAllReduceWorkspace" in wheel.read("flashinfer/comm/__init__.py").decode()) is has
