@@ -19,7 +19,9 @@ import contextlib
 import hashlib
 import importlib
 import json
+import logging
 import os
+import pathlib
 import sys
 import traceback
 
@@ -430,8 +432,6 @@ class _Lines(object):
     reasons for staying on NCCL), for the report."""
 
     def __init__(self, name):
-        import logging
-
         self.logger, self.lines = logging.getLogger(name), []
         self.handler = logging.Handler(logging.WARNING)
         self.handler.emit = lambda record: self.lines.append(record.getMessage())
@@ -560,8 +560,6 @@ def _vllm_tune_cache(out_dir, world):
     """vLLM names its tune cache pcie_ipc_allreduce_tp_<ranks>.json beside its FlashInfer autotune
     file (a per-model directory the tuner cannot know): here, the run's own directory, so it tunes
     as a first start does and leaves no file behind."""
-    import pathlib
-
     return pathlib.Path(out_dir) / ("pcie_ipc_allreduce_tp_%s.json" % "-".join(str(r) for r in range(world)))
 
 
