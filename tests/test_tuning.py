@@ -605,3 +605,22 @@ def test_where_sglang_does_not_import_its_tune_batches_are_its_own(wheel_cache):
         exec(compile(ast.Module([function], []), "pcie_ipc_ar.py", "exec"), namespace)
         for rows in (1, 8, 48, 64, 160, 256, 512, 700, 2048):
             assert worker.pcie_ipc_batches(rows) == namespace["_tune_batches"](rows), rows
+
+
+def test_a_pcie_ipc_path_its_server_sends_no_size_to_has_no_column(tuned, tmp_path):
+    """Made, but at no size measured would the server send it there (SGLang's path at fp16: it
+    serves bf16 only): no column, not named as checked, and the line says where it did not run."""
+    rows = pcie_rows()
+    for row in rows:
+        row["not_run"] = ["sglang-pcie-ipc"]
+    made = [dict(SGLANG_PATH, how="the server's own PcieIpcCommunicator", error=None)]
+    result = tuned("--hidden", "4096", "--profile", str(tmp_path / "p.json"), pcie_ipc=[SGLANG_PATH], rows=rows,
+                   made=made)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if line.strip().startswith("tokens"))
+    assert header.split() == ["tokens", "size", "one-shot", "two-shot", "NCCL+norm"]
+    assert next(line for line in lines if line.startswith("check:")).startswith(
+        "check: one-shot, two-shot and NCCL + fused_add_rmsnorm each matched")
+    assert any(line.endswith("not run at 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048 tokens (the server sends "
+                             "those to NCCL)") for line in lines)
