@@ -36,7 +36,8 @@ pcie-ipc)
     # FlashInfer 0.7.0 (.whl/: flashinfer_python-0.7.0, apache_tvm_ffi, cuda_tile) in a venv that
     # sees the image's torch; SGLang and vLLM are not installed (their dependencies do not travel),
     # so the worker makes FlashInfer's workspace with each server's arguments and says so. Every
-    # rank a process on GPU 0 over gloo; correctness only. PCIE_WORLDS: the TP sizes (2 4 8).
+    # rank a process on GPU 0 over gloo; correctness only. PCIE_WORLDS: the TP sizes (default 2: the
+    # first call also builds pcie_ipc_comm and tunes under time slicing; PCIE_WORLDS=4 in a second).
     d=/tmp/fi-0.7.0-pcie
     if [ ! -e $d/.ready ]; then
         python3 -m venv $d
@@ -45,9 +46,9 @@ pcie-ipc)
             .whl/apache_tvm_ffi-*.whl $(ls .whl/cuda_tile-*.whl 2>/dev/null) && touch $d/.ready
     fi
     nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
-    for w in ${PCIE_WORLDS:-2 4}; do
+    for w in ${PCIE_WORLDS:-2}; do
         step env FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=$d/ws $d/bin/python \
-            benchmarks/pcie_ipc_one_gpu.py run --world $w --out "$OUT/pcie-ipc-tp$w.json" --timeout ${PCIE_TIMEOUT:-270}
+            benchmarks/pcie_ipc_one_gpu.py run --world $w --out "$OUT/pcie-ipc-tp$w.json" --timeout ${PCIE_TIMEOUT:-420}
     done
     ;;
 unicast)
