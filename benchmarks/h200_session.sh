@@ -15,6 +15,8 @@
 #                                             # tests/test_one_gpu.py, pristine vs patched (docs/one-gpu.md)
 #   bash benchmarks/h200_session.sh tuned     # issue #52 on this one GPU: SGLang 0.5.9's layer under a tuned-limits
 #                                             # profile (TP2, TP4), and `bench --tune` end to end (docs/tuning.md)
+#   bash benchmarks/h200_session.sh pcie-ipc  # the servers' PCIe-IPC allreduce + norm as bench --tune makes and
+#                                             # checks it, ranks on this one GPU (benchmarks/pcie_ipc_one_gpu.py)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
@@ -24,7 +26,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
 python3 -m venv /tmp/env
 python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-case "${1:-build}" in clamp|ranks|tuned) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+case "${1:-build}" in clamp|ranks|tuned|pcie-ipc) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
 export PYTHONPATH=$PWD/src:/tmp/sm-deps
 P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
 step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -32,6 +34,25 @@ sm120patch() { python3 -m sm120patch "$@"; }
 build_and_load() { FLASHINFER_CUDA_ARCH_LIST="$1" FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/trtllm_comm_build_and_load.py; }
 
 case "${1:-build}" in
+pcie-ipc)
+    # FlashInfer 0.7.0 (.whl/: flashinfer_python-0.7.0, apache_tvm_ffi, cuda_tile) in a venv that
+    # sees the image's torch; SGLang and vLLM are not installed (their dependencies do not travel),
+    # so the worker makes FlashInfer's workspace with each server's arguments and says so. Every
+    # rank a process on GPU 0 over gloo; correctness only. PCIE_WORLDS: the TP sizes (default 2: the
+    # first call also builds pcie_ipc_comm and tunes under time slicing; PCIE_WORLDS=4 in a second).
+    d=/tmp/fi-0.7.0-pcie
+    if [ ! -e $d/.ready ]; then
+        python3 -m venv $d
+        python3 -c 'import site; print(site.getsitepackages()[0])' > "$($d/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+        $d/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-0.7.0-*.whl \
+            .whl/apache_tvm_ffi-*.whl $(ls .whl/cuda_tile-*.whl 2>/dev/null) && touch $d/.ready
+    fi
+    nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+    for w in ${PCIE_WORLDS:-2}; do
+        step env FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=$d/ws $d/bin/python \
+            benchmarks/pcie_ipc_one_gpu.py run --world $w --out "$OUT/pcie-ipc-tp$w.json" --timeout ${PCIE_TIMEOUT:-420}
+    done
+    ;;
 unicast)
     # Multicast is reported absent inside the test process only; no cuMulticast* call reaches the driver.
     step sm120patch doctor "${P[@]}" 2>&1 | tee "$OUT/doctor.txt"

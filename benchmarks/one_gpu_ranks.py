@@ -56,7 +56,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
 import types
 from pathlib import Path
@@ -394,15 +393,9 @@ def worker(args) -> None:
 
 
 def run(args) -> int:
-    out_dir = Path(tempfile.mkdtemp(prefix=f"one-gpu-{args.label}-tp{args.world}-"))
     command = [sys.executable, __file__, "run", "--world", str(args.world), "--label", args.label, "--suites",
                args.suites, *[a for s in args.server for a in ("--server", s)]]
-    result = one_gpu.launch(command, args.world, args.timeout, out_dir, env={"ONE_GPU_OUT": str(out_dir)})
-    records = []
-    for rank in range(args.world):
-        path = out_dir / f"rank{rank}.jsonl"
-        if path.exists():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    result, records = one_gpu.launch_and_collect(command, args.world, args.timeout, f"one-gpu-{args.label}-tp{args.world}-")
     started = next((rec for rec in records if rec.get("event") == "started"), {})
     document = {"label": args.label, "world": args.world, "suites": args.suites.split(","),
                 "servers": dict(item.split("=", 1) for item in args.server), "flashinfer": started.get("flashinfer"),

@@ -81,6 +81,22 @@ def launch(command: list[str], world: int, timeout: float, log_dir: Path, env: d
             "timeout_s": timeout, "tails": tails}
 
 
+def launch_and_collect(command: list[str], world: int, timeout: float, prefix: str) -> tuple[dict, list[dict]]:
+    """:func:`launch` with a fresh output directory in ``ONE_GPU_OUT`` (``prefix``: its name's
+    start), then every JSON line the ranks wrote to ``rank<r>.jsonl`` there: (result, records)."""
+    import json
+    import tempfile
+
+    out_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    result = launch(command, world, timeout, out_dir, env={"ONE_GPU_OUT": str(out_dir)})
+    records = []
+    for rank in range(world):
+        path = out_dir / f"rank{rank}.jsonl"
+        if path.exists():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return result, records
+
+
 def describe(result: dict) -> str:
     """One line: how the ranks ended, naming every rank that hung or failed."""
     parts = [f"{result['world']} ranks in {result['elapsed_s']} s"]

@@ -330,6 +330,48 @@ def test_worker_reference_tolerance_and_inputs_on_cpu_torch(runtime_env):
     assert out["digest_same"] and out["digest_differs"]
 
 
+def test_a_pcie_ipc_path_that_cannot_be_made_here_is_said_and_left_untimed(runtime_env, tmp_path):
+    """The worker's make_pcie_ipc in the target interpreter (CPU torch, FlashInfer 0.6.4, SGLang
+    0.5.9; one gloo rank), with the rows the parent passes for SGLang 0.5.21 and vLLM 0.31: neither
+    server's module imports there, so each falls back to FlashInfer's PcieIpcAllReduceWorkspace,
+    which this FlashInfer cannot give: each says how it was tried and why it is not timed, leaves
+    nothing to call or destroy, and the ranks' gather of the outcome ran."""
+    from test_tuning import SGLANG_PATH, installed
+
+    paths = bench.pcie_ipc_paths(installed(("sglang", "0.5.21"), ("vllm", "0.31.0"), flashinfer="0.7.0"))
+    assert paths[0] == SGLANG_PATH
+    worker = Path(bench.__file__).with_name("_bench_worker.py")
+    script = f"""
+        import importlib.util, json, tempfile, torch, torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("worker", {str(worker)!r})
+        w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        out = []
+        for path in json.loads({json.dumps(json.dumps(paths))}):
+            made = w.make_pcie_ipc(path, 1, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"), 256,
+                                   torch.bfloat16, [1, 2, 4], {str(tmp_path)!r})
+            out.append([made["info"], made["allreduce"] is None and made["destroy"] is None])
+        try:
+            from flashinfer.comm import PcieIpcAllReduceWorkspace
+            why = None
+        except Exception as exc:
+            why = w.last_line(exc)
+        print(json.dumps([out, why]))
+    """
+    proc = subprocess.run([str(runtime_env.python), "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    [(sglang, sglang_none), (vllm, vllm_none)], why = json.loads(proc.stdout)
+    assert sglang_none and vllm_none
+    for info, path in ((sglang, paths[0]), (vllm, paths[1])):
+        assert {k: info[k] for k in ("name", "column", "server", "switch", "rows")} == {
+            k: path[k] for k in ("name", "column", "server", "switch", "rows")}
+        module = path["code"].split(":")[0]
+        assert info["how"].startswith("FlashInfer's PcieIpcAllReduceWorkspace with the arguments the server passes "
+                                      f"({module} does not import here: ")
+        assert why and info["error"] == why  # FlashInfer 0.6.4 (on CPU) gives no PcieIpcAllReduceWorkspace
+    assert list(tmp_path.iterdir()) == []  # no tune cache was written
+
+
 def test_tuner_statistics_and_profile_facts_in_the_target(runtime_env):
     """In the target interpreter (CPU torch, the real FlashInfer and SGLang wheels): the worker's
     median and quartiles, the slowest rank per repetition, and the box, NCCL settings and releases

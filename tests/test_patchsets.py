@@ -236,6 +236,9 @@ def test_the_registry_knows_each_shipped_distribution_from_data():
     (('build = ["jit-gate"]', 'build = ["jit-gates"]'),
      "fusion_chain.kernel_path #1 names no patch of flashinfer-python: jit-gates"),
     (('launch_without = "', 'launch_with = "'), "fusion_chain.kernel_path #1: a path with launch patches says"),
+    (("rows = 512", "rows = 0"), "pcie_ipc #1: rows is a positive number of tokens"),
+    ((":PcieIpcCommunicator", ".PcieIpcCommunicator"), "pcie_ipc #1: code names module:Class"),
+    (('switch = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1"\n', ""), "pcie_ipc #1: needs versions, with, name, switch and code"),
 ])
 def test_the_fusion_chain_data_is_checked_on_load(tmp_path, edit, message):
     """A [fusion_chain] row that names a patch the distribution does not have, misses a field or

@@ -129,6 +129,25 @@ def test_unfused_faster_at_the_smallest_size_is_never_fused_and_says_what_wins()
     assert "SGLang's PCIe-IPC allreduce + norm (its switch on, fusion off)" in limits.verdict
 
 
+def test_a_pcie_ipc_path_absent_above_its_workspace_is_absent_there_not_free():
+    """SGLang's PCIe-IPC allreduce measured up to its workspace (512 tokens) and not run above it
+    (the server sends those to NCCL): it wins from 16 tokens, so fusion stops at 8 and the verdict
+    names it; above 512 tokens NCCL is what the server runs, and the derivation neither counts the
+    missing column as 0 us nor makes it the unfused path there."""
+    pcie = [9.0, 9.5, 10.0, 11.0, 12.0, 15.0, 25.0, 50.0, 90.0, 160.0, None, None]
+    limits = derive(table(dict(PCIE_X4, sglang_pcie_ipc=pcie)), world=4, hidden=HIDDEN)
+    assert (limits.oneshot_max_bytes, limits.fused_max_bytes) == (64 * KIB, 64 * KIB)
+    assert limits.unfused == "sglang-pcie-ipc"
+    assert limits.verdict == ("fusion wins at TP4, hidden 4096 up to 64 KiB per rank (8 tokens): one-shot throughout; "
+                              "from 128 KiB (16 tokens) SGLang's PCIe-IPC allreduce + norm (its switch on, fusion off) "
+                              "is faster")
+    rows = table(dict(PCIE_X4, sglang_pcie_ipc=pcie))
+    assert [r.fastest_unfused() for r in rows[-3:]] == ["sglang-pcie-ipc", "nccl", "nccl"]
+    # Where it is measured only above the fused limit, it cannot pull the limit down.
+    late = [None] * 10 + [300.0, 600.0]
+    assert derive(table(dict(PCIE_X4, sglang_pcie_ipc=late)), world=4, hidden=HIDDEN).fused_max_bytes == 256 * KIB
+
+
 def test_a_tie_at_the_smallest_size_is_not_a_loss():
     """Within noise at the smallest size: the release's choice (fuse) stands there."""
     columns = {"oneshot": [13.6] + PCIE_X4["oneshot"][1:], "twoshot": PCIE_X4["twoshot"], "unfused": PCIE_X4["unfused"]}
@@ -316,11 +335,11 @@ from sm120patch.cli import cli  # noqa: E402
 from sm120patch.distributions import load_registry  # noqa: E402
 
 
-def pcie_rows() -> list[dict]:
+def pcie_rows(columns: dict = PCIE_X4) -> list[dict]:
     rows = []
     for index, n in enumerate((1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)):
         row = {"tokens": n, "bytes": n * HIDDEN * 2, "graphs": True}
-        for column, medians in PCIE_X4.items():
+        for column, medians in columns.items():
             if medians[index] is not None:
                 row.update({f"{column}_us": medians[index], f"{column}_iqr_us": [medians[index] * 0.98,
                                                                                   medians[index] * 1.03]})
@@ -332,19 +351,24 @@ def pcie_rows() -> list[dict]:
 def tuned(monkeypatch):
     """`bench --tune --tp 4 --hidden 4096` with the workers' document given: returns a function
     that runs the command with these GPUs (bus ids per rank) and extra arguments."""
-    def invoke(*args, gpus=GPUS):
+    def invoke(*args, gpus=GPUS, pcie_ipc=(), rows=None, made=None):
+        """``pcie_ipc``: the servers' PCIe-IPC paths _prepare found; ``rows`` and ``made`` (the
+        workers' account of each path): what the workers hand back."""
         def prepare(request):
             return bench._Prepared(bench.replace(request, python=Path("/srv/env/bin/python")), 4,
-                                   load_registry(full=False), None, [])
+                                   load_registry(full=False), None, [], tuple(pcie_ipc))
 
         def run(request, *, world_size, on_event=None, servers=(), tune=None):
             assert tune["oneshot_max_bytes"] == 8 * 2 ** 20 and tune["repeats"] == 7
             assert {"flashinfer-python", "sglang", "vllm", "torch"} <= set(tune["distributions"])
             assert tune["runtime"] == Path(runtime.__file__).read_text()
+            invoke.config = tune
             meta = {"flashinfer": "0.6.4", "torch": "2.11.0+cu130", "cuda": "13.0", "device": "NVIDIA RTX PRO 6000",
                     "capability": "12.0", "tune": {"box": runtime._sm120patch_box(), "gpus": list(gpus),
                                                    "nccl_env": runtime._sm120patch_nccl_env(), "software": SOFTWARE,
-                                                   "rows": pcie_rows()}}
+                                                   "rows": rows or pcie_rows()}}
+            if made is not None:
+                meta["tune"]["pcie_ipc"] = made
             return bench.BenchReport(request, world_size, meta, [])
 
         monkeypatch.setattr(bench, "_prepare", prepare)
@@ -433,3 +457,170 @@ def test_tune_json_is_the_entry_and_where_it_went(tuned, tmp_path):
     assert document["entry"] == json_of(path)["entries"]["4"] and document["errors"] == []
     assert document["profile"] == {"path": str(path), "replaced_tp": False, "other_box": False, "kept": []}
     assert document["world_size"] == 4 and document["flashinfer"] == "0.6.4"
+
+
+# -- the servers' PCIe-IPC paths: which the tuner times, the worker's config, the table -------
+
+from types import SimpleNamespace  # noqa: E402
+
+from packaging.version import Version  # noqa: E402
+
+from sm120patch.bench.limits import UNFUSED_PATHS  # noqa: E402
+from sm120patch.wheels import fetch_wheel  # noqa: E402
+
+SGLANG_PATH = {"name": "sglang-pcie-ipc", "column": "sglang_pcie_ipc",
+               "code": "sglang.srt.distributed.device_communicators.pcie_ipc_ar:PcieIpcCommunicator", "rows": 512,
+               "switch": "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1", "server": "sglang 0.5.21 with flashinfer-python 0.7.0"}
+
+
+def installed(*releases: tuple[str, str], flashinfer: str | None) -> SimpleNamespace:
+    """A status of an environment holding these (distribution, release) pairs beside FlashInfer
+    ``flashinfer`` (the fields pcie_ipc_paths reads, as pipeline.status fills them)."""
+    registry = load_registry(full=False)
+    trees = []
+    for name, version in releases:
+        d = registry.get(name)
+        trees.append(SimpleNamespace(distribution=d, tree=SimpleNamespace(version=Version(version)),
+                                     with_raw_version=(flashinfer or "") if d.fusion_with else "",
+                                     assessment=SimpleNamespace(name=d.name, raw_version=version)))
+    return SimpleNamespace(trees=trees)
+
+
+@pytest.mark.parametrize("releases, flashinfer, timed", [
+    ([("sglang", "0.5.21")], "0.7.0", ["sglang-pcie-ipc"]),
+    ([("sglang", "0.5.23")], "0.7.4", ["sglang-pcie-ipc"]),
+    ([("sglang", "0.5.20")], "0.7.0", []),  # the release has no pcie_ipc_ar.py
+    ([("sglang", "0.5.21")], "0.6.18", []),  # its pin: no PcieIpcAllReduceWorkspace, SGLang stays on NCCL
+    ([("vllm", "0.31.0")], "0.7.0.post1", ["vllm-pcie-ipc"]),
+    ([("vllm", "0.34.0")], "0.7.3", ["vllm-pcie-ipc"]),
+    ([("vllm", "0.30.0")], "0.7.0", ["vllm-pcie-ipc"]),  # the same file as 0.31, with a FlashInfer that has it
+    ([("vllm", "0.30.0")], "0.6.18.post1", []),  # its own pin
+    ([("vllm", "0.29.0")], "0.7.0", []),
+    ([("flashinfer-python", "0.7.0")], "0.7.0", []),  # no server installed
+    ([("sglang", "0.5.22"), ("vllm", "0.32.0")], "0.7.0", ["sglang-pcie-ipc", "vllm-pcie-ipc"]),
+])
+def test_the_tuner_times_the_pcie_ipc_paths_the_installed_releases_have(releases, flashinfer, timed):
+    paths = bench.pcie_ipc_paths(installed(*releases, flashinfer=flashinfer))
+    assert [p["name"] for p in paths] == timed
+    for path in paths:
+        assert path["column"] == UNFUSED_PATHS[path["name"]] and path["rows"] == 512
+        name, version = next(r for r in releases if path["name"].startswith(r[0]))
+        assert path["server"] == f"{name} {version} with flashinfer-python {flashinfer}"
+
+
+def test_the_paths_data_names_the_servers_real_code_and_switch(wheel_cache):
+    """Each [[pcie_ipc]] row is true of the wheels: the class is defined in that module of the
+    first and last release of its range (and the module is absent from the release before it),
+    the switch is read in the release's environ/envs, and FlashInfer has PcieIpcAllReduceWorkspace
+    from 0.7.0 (not in 0.6.17)."""
+    registry = load_registry(full=False)
+    for name, releases in (("sglang", ("0.5.21", "0.5.23")), ("vllm", ("0.30.0", "0.34.0"))):
+        (row,) = registry.get(name).pcie_ipc
+        assert row.name in UNFUSED_PATHS
+        module, _, cls = row.code.partition(":")
+        for version in releases:
+            with zipfile.ZipFile(fetch_wheel(name, version, wheel_cache)) as wheel:
+                source = wheel.read(module.replace(".", "/") + ".py").decode()
+                settings = wheel.read("sglang/srt/environ.py" if name == "sglang" else "vllm/envs.py").decode()
+            assert f"class {cls}" in source and row.switch.split("=")[0] in settings
+        with zipfile.ZipFile(fetch_wheel(name, {"sglang": "0.5.20", "vllm": "0.29.0"}[name], wheel_cache)) as wheel:
+            assert module.replace(".", "/") + ".py" not in wheel.namelist()  # the release before the range has none
+    for version, has in (("0.7.0", True), ("0.6.17", False)):
+        with zipfile.ZipFile(fetch_wheel("flashinfer-python", version, wheel_cache)) as wheel:
+            assert ("PcieIpcAllReduceWorkspace" in wheel.read("flashinfer/comm/__init__.py").decode()) is has
+
+
+@pytest.mark.wheels
+def test_status_of_a_real_environment_gives_the_path_to_time(tmp_path):
+    """SGLang 0.5.21 beside FlashInfer 0.7.0, installed from their wheels: the tuner's decision
+    comes from what pipeline.status finds there."""
+    from helpers import make_venv
+    from sm120patch import pipeline
+
+    root = tmp_path / "venv"
+    make_venv(root, [fetch_wheel("sglang", "0.5.21"), fetch_wheel("flashinfer-python", "0.7.0")])
+    (tmp_path / "home").mkdir()
+    status = pipeline.status(pipeline.Request(python=str(root / "bin" / "python"), jit_base=str(tmp_path / "home")),
+                             load_registry(full=False))
+    assert bench.pcie_ipc_paths(status) == [SGLANG_PATH]
+
+
+def test_tune_gives_the_worker_the_paths_and_prints_and_keeps_the_pcie_ipc_column(tuned, tmp_path):
+    """The worker's config carries the paths _prepare found; what comes back (SGLang's path timed
+    up to its 512-token workspace, vLLM's not made) is printed, derived from, written into the
+    profile and the JSON: the column where it ran, absent (never 0 us) where it did not."""
+    import json
+
+    pcie = [9.0, 9.5, 10.0, 11.0, 12.0, 15.0, 25.0, 50.0, 90.0, 160.0, None, None]
+    rows = pcie_rows(dict(PCIE_X4, sglang_pcie_ipc=pcie))
+    for row in rows[-2:]:
+        row["not_run"] = ["sglang-pcie-ipc"]
+    vllm = {"name": "vllm-pcie-ipc", "column": "vllm_pcie_ipc", "code": "vllm.x:Y", "rows": 512,
+            "switch": "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC=1", "server": "vllm 0.31.0 with flashinfer-python 0.7.0"}
+    made = [dict(SGLANG_PATH, how="the server's own PcieIpcCommunicator", error=None),
+            dict(vllm, how="the server's own FlashInferPcieIpcAllReduce",
+                 error="pcie ipc workspace failed while preparing: {0: 'RuntimeError: CUDART error'}")]
+    path = tmp_path / "tuned-limits.json"
+    result = tuned("--hidden", "4096", "--profile", str(path), pcie_ipc=[SGLANG_PATH, vllm], rows=rows, made=made)
+    assert result.exit_code == 0, result.output
+    assert tuned.config["pcie_ipc"] == [SGLANG_PATH, vllm]
+    lines = result.output.splitlines()
+    assert ("check: one-shot, two-shot, NCCL + fused_add_rmsnorm and SGLang PCIe-IPC + fused_add_rmsnorm each matched "
+            "NCCL allreduce + float32 RMSNorm at every size where it ran, before it was timed") in lines
+    assert ("SGLang PCIe-IPC: sglang 0.5.21 with flashinfer-python 0.7.0's PCIe-IPC allreduce "
+            "(SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1, fusion off), made with the server's own PcieIpcCommunicator, its "
+            "workspace sized for 512 tokens; not run at 1024, 2048 tokens (the server sends those to NCCL)") in lines
+    assert ("warning: vllm 0.31.0 with flashinfer-python 0.7.0's PCIe-IPC allreduce "
+            "(VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC=1, fusion off) could not be made here: pcie ipc workspace failed "
+            "while preparing: {0: 'RuntimeError: CUDART error'}; a server started with "
+            "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC=1 would not run it either: tuned without it") in lines
+    header = next(line for line in lines if line.strip().startswith("tokens"))
+    assert header.split() == ["tokens", "size", "one-shot", "two-shot", "NCCL+norm", "SGLang", "PCIe-IPC"]
+    assert "       1     8 KiB           6.1 [6.0-6.3]                       -        13.5 [13.2-13.9]" \
+           "           9.0 [8.8-9.3]" in lines
+    assert lines[lines.index(header) + 12].endswith("700.0 [686.0-721.0]                       -")
+    assert ("verdict: fusion wins at TP4, hidden 4096 up to 64 KiB per rank (8 tokens): one-shot throughout; from "
+            "128 KiB (16 tokens) SGLang's PCIe-IPC allreduce + norm (its switch on, fusion off) is faster") in lines
+    entry = json_of(path)["entries"]["4"]
+    assert entry["unfused"] == "sglang-pcie-ipc" and entry["table"] == rows
+    assert entry["table"][0]["sglang_pcie_ipc_us"] == 9.0 and "sglang_pcie_ipc_us" not in entry["table"][-1]
+    document = json.loads(tuned("--hidden", "4096", "--profile", str(path), "--json", pcie_ipc=[SGLANG_PATH, vllm],
+                                rows=rows, made=made).stdout)
+    assert document["pcie_ipc"] == made and document["entry"]["table"] == rows
+
+
+def test_where_sglang_does_not_import_its_tune_batches_are_its_own(wheel_cache):
+    """The worker's fallback sizes SGLang's tune batches as pcie_ipc_ar.py's _tune_batches does
+    (read from the 0.5.21 and 0.5.23 wheels and run here), for the widths a server gets."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("worker", Path(bench.__file__).with_name("_bench_worker.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    for version in ("0.5.21", "0.5.23"):
+        with zipfile.ZipFile(fetch_wheel("sglang", version, wheel_cache)) as wheel:
+            tree = ast.parse(wheel.read("sglang/srt/distributed/device_communicators/pcie_ipc_ar.py").decode())
+        function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_tune_batches")
+        namespace: dict = {}
+        exec(compile(ast.Module([function], []), "pcie_ipc_ar.py", "exec"), namespace)
+        for rows in (1, 8, 48, 64, 160, 256, 512, 700, 2048):
+            assert worker.pcie_ipc_batches(rows) == namespace["_tune_batches"](rows), rows
+
+
+def test_a_pcie_ipc_path_its_server_sends_no_size_to_has_no_column(tuned, tmp_path):
+    """Made, but at no size measured would the server send it there (SGLang's path at fp16: it
+    serves bf16 only): no column, not named as checked, and the line says where it did not run."""
+    rows = pcie_rows()
+    for row in rows:
+        row["not_run"] = ["sglang-pcie-ipc"]
+    made = [dict(SGLANG_PATH, how="the server's own PcieIpcCommunicator", error=None)]
+    result = tuned("--hidden", "4096", "--profile", str(tmp_path / "p.json"), pcie_ipc=[SGLANG_PATH], rows=rows,
+                   made=made)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line for line in lines if line.strip().startswith("tokens"))
+    assert header.split() == ["tokens", "size", "one-shot", "two-shot", "NCCL+norm"]
+    assert next(line for line in lines if line.startswith("check:")).startswith(
+        "check: one-shot, two-shot and NCCL + fused_add_rmsnorm each matched")
+    assert any(line.endswith("not run at 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048 tokens (the server sends "
+                             "those to NCCL)") for line in lines)

@@ -114,6 +114,26 @@ class FusionPath(NamedTuple):
                                              and self.with_.contains(with_version, prereleases=True))))
 
 
+class PcieIpcPath(NamedTuple):
+    """The server's own PCIe-IPC allreduce over FlashInfer's PcieIpcAllReduceWorkspace, in the
+    releases ``versions`` with a release of ``fusion_with`` in ``with_``: an unfused path the
+    server takes when ``switch`` is set, which `bench --tune` times beside NCCL (its column
+    ``name``, one of bench.limits.UNFUSED_PATHS; ``code`` the server's class, "module:Class",
+    that the tuner creates it with; ``rows`` the widest batch its workspace is sized for)."""
+
+    versions: SpecifierSet
+    with_: SpecifierSet
+    name: str
+    switch: str
+    code: str
+    rows: int
+
+    def matches(self, version: Version | None, with_version: Version | None) -> bool:
+        return (version is not None and with_version is not None
+                and self.versions.contains(version, prereleases=True)
+                and self.with_.contains(with_version, prereleases=True))
+
+
 class AutoEnable(NamedTuple):
     """Fusion on by default in the releases ``versions`` matches, without the server's flag
     (the ``requested`` step of chain.py): ``by`` "release" (the release does it itself on SM120
@@ -276,6 +296,7 @@ class Distribution(NamedTuple):
     fusion_flags: tuple[FusionFlag, ...] = ()
     fusion_paths: tuple[FusionPath, ...] = ()
     fusion_with: str | None = None  # the distribution whose release fusion_paths also depend on
+    pcie_ipc: tuple[PcieIpcPath, ...] = ()
     # [fusion_chain]: what chain.py needs beyond the patch sets and the rows above.
     auto_enables: tuple[AutoEnable, ...] = ()
     server_gates: tuple[ServerGate, ...] = ()
@@ -332,6 +353,10 @@ class Distribution(NamedTuple):
         """The workspace path this release takes with that release of ``fusion_with`` (the first
         row that matches)."""
         return next((row for row in self.fusion_paths if row.matches(version, with_version)), None)
+
+    def pcie_ipc_path(self, version: Version | None, with_version: Version | None) -> PcieIpcPath | None:
+        """The PCIe-IPC allreduce this release has with that release of ``fusion_with`` (None: none)."""
+        return next((row for row in self.pcie_ipc if row.matches(version, with_version)), None)
 
     def fixed_upstream(self, version: Version | None) -> bool:
         return version is not None and self.fixed_in is not None and version >= self.fixed_in
@@ -489,6 +514,21 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         paths.append(FusionPath(specifier(raw["versions"], fwhere), specifier(raw["with"], fwhere), raw["workspace"],
                                 raw["path"], preflight, tuple(needs), raw.get("without", "")))
     fusion_with = _optional_str(doc, "fusion_with", where)
+    pcie_ipc = []
+    for index, raw in enumerate(doc.get("pcie_ipc", [])):
+        pwhere = f"{where}: pcie_ipc #{index + 1}"
+        if not all(isinstance(raw.get(key), str) and raw[key] for key in ("versions", "with", "name", "switch", "code")):
+            raise PatchDataError(f"{pwhere}: needs versions, with, name, switch and code")
+        module, _, cls = raw["code"].partition(":")
+        if not (all(p.isidentifier() for p in module.split(".")) and cls.isidentifier()):
+            raise PatchDataError(f"{pwhere}: code names module:Class, not {raw['code']!r}")
+        rows = raw.get("rows")
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
+            raise PatchDataError(f"{pwhere}: rows is a positive number of tokens")
+        if not fusion_with:
+            raise PatchDataError(f"{pwhere}: needs fusion_with (the distribution whose release it also depends on)")
+        pcie_ipc.append(PcieIpcPath(specifier(raw["versions"], pwhere), specifier(raw["with"], pwhere), raw["name"],
+                                    raw["switch"], raw["code"], rows))
     auto_enables, server_gates, kernel_paths, tp_advice, tp_untuned = _fusion_chain(doc, where)
     if (auto_enables or server_gates or kernel_paths or tp_advice) and not paths:
         raise PatchDataError(f"{where}: fusion_chain is for a server (a distribution with fusion_path rows)")
@@ -523,7 +563,7 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         jit_module=_optional_str(doc, "jit_module", where), still_gated=_optional_str(doc, "still_gated", where),
         pins=_optional_str(doc, "pins", where), advice=tuple(advice), nothing_to_patch=tuple(nothing),
         not_covered=tuple(not_covered), fusion_flags=tuple(flags),
-        fusion_paths=tuple(paths), fusion_with=fusion_with, auto_enables=auto_enables, server_gates=server_gates,
+        fusion_paths=tuple(paths), fusion_with=fusion_with, pcie_ipc=tuple(pcie_ipc), auto_enables=auto_enables, server_gates=server_gates,
         kernel_paths=kernel_paths, tp_advice=tp_advice, tp_untuned=tp_untuned, checkout=checkout, verify=verify,
         directory=directory,
     )

@@ -872,24 +872,40 @@ def render_tune(report: TuneReport) -> str:
     hidden, dtype = entry["hidden"], entry["dtype"]
     pairs = world * (world - 1) // 2
     rows = meta["tune"]["rows"]
+    names = {"oneshot": "one-shot", "twoshot": "two-shot", "nccl": "NCCL+norm", "sglang-pcie-ipc": "SGLang PCIe-IPC",
+             "vllm-pcie-ipc": "vLLM PCIe-IPC"}
+    servers = meta["tune"].get("pcie_ipc", [])
+    timed = [s for s in servers if any(f"{s['column']}_us" in row for row in rows)]  # made, and run at some size
+    checked = ["one-shot", "two-shot", "NCCL + fused_add_rmsnorm"] + [f"{names[s['name']]} + fused_add_rmsnorm"
+                                                                       for s in timed]
     lines = [
         f"{report.request.kernels} {meta.get('flashinfer')} · torch {meta.get('torch')} (CUDA {meta.get('cuda')}) · "
         f"{world} × {meta.get('device')} (compute capability {meta.get('capability')}) · {dtype} · hidden {hidden}",
         f"pairs: every pair of ranks completed a fused call and matched the reference ({counted(pairs, 'pair')})",
-        "check: one-shot, two-shot and NCCL + fused_add_rmsnorm each matched NCCL allreduce + float32 RMSNorm "
-        "at every size before it was timed",
+        f"check: {', '.join(checked[:-1])} and {checked[-1]} each matched NCCL allreduce + float32 RMSNorm "
+        "at every size where it ran, before it was timed",
         f"timing: µs per call, median [interquartile range] of {counted(report.request.repeats, 'repetition')} "
         "(each the slowest rank's), in CUDA graphs" if all(r.get("graphs") for r in rows) else
         f"timing: µs per call, median [interquartile range] of {counted(report.request.repeats, 'repetition')} "
         "(each the slowest rank's), some as eager launches (not capturable in a CUDA graph)",
-        "",
-        f"  {'tokens':>6}  {'size':>8}  {'one-shot':>22}  {'two-shot':>22}  {'NCCL+norm':>22}",
     ]
+    for server in servers:
+        said = f"{server['server']}'s PCIe-IPC allreduce ({server['switch']}, fusion off)"
+        if server["error"]:
+            lines.append(f"warning: {said} could not be made here: {server['error']}; a server started with "
+                         f"{server['switch']} would not run it either: tuned without it")
+            continue
+        skipped = [r["tokens"] for r in rows if server["name"] in r.get("not_run", ())]
+        lines.append(f"{names[server['name']]}: {said}, made with {server['how']}, its workspace sized for "
+                     f"{counted(server['rows'], 'token')}" + (
+                         f"; not run at {', '.join(map(str, skipped))} tokens (the server sends those to NCCL)"
+                         if skipped else ""))
+    columns = [("one-shot", "oneshot"), ("two-shot", "twoshot"), ("NCCL+norm", "unfused")] + [
+        (names[s["name"]], s["column"]) for s in timed]
+    lines += ["", f"  {'tokens':>6}  {'size':>8}" + "".join(f"  {title:>22}" for title, _ in columns)]
     for row in rows:
-        lines.append(f"  {row['tokens']:>6}  {_size(row['bytes']):>8}  {_timing(row, 'oneshot'):>22}  "
-                     f"{_timing(row, 'twoshot'):>22}  {_timing(row, 'unfused'):>22}")
-    names = {"oneshot": "one-shot", "twoshot": "two-shot", "nccl": "NCCL+norm", "sglang-pcie-ipc": "SGLang PCIe-IPC",
-             "vllm-pcie-ipc": "vLLM PCIe-IPC"}
+        lines.append(f"  {row['tokens']:>6}  {_size(row['bytes']):>8}" + "".join(
+            f"  {_timing(row, column):>22}" for _, column in columns))
     for tie in limits.ties:
         lines.append(f"  tie at {_size(tie['bytes'])}: {' and '.join(names.get(p, p) for p in tie['paths'])} are within "
                      "each other's interquartile range")
@@ -929,6 +945,7 @@ def tune_json(report: TuneReport) -> dict:
         "profile": None if report.profile is None else {
             "path": str(report.profile.path), "replaced_tp": report.profile.replaced_tp,
             "other_box": report.profile.other_box, "kept": list(report.profile.kept)},
+        "pcie_ipc": report.meta["tune"].get("pcie_ipc", []),
         "errors": [error.message for error in report.errors],
     }
 

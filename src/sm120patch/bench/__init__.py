@@ -12,8 +12,9 @@ its JIT cache on first use, exactly as the server's first start would.
 
 With ``--tune`` it measures instead where fusion wins on this box at this TP size: every pair
 of ranks completes one small fused call first (a pair that fails or hangs is named), then at
-each size one-shot, two-shot and NCCL + norm are checked against the reference and timed in
-several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
+each size one-shot, two-shot, NCCL + norm and each installed server's PCIe-IPC allreduce + norm
+(``pcie_ipc_paths``, where its server sends that size) are checked against the reference and
+timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
 and ``profile`` writes them, with the whole table, into the profile the patched servers read.
 
 - ``target``: what the target interpreter has; ``preflight``: the options and every reason the
@@ -31,18 +32,19 @@ from dataclasses import replace
 from sm120patch import _tuned_runtime as runtime
 from sm120patch import driver, pipeline
 from sm120patch.bench import profile
-from sm120patch.bench.limits import Row, derive, release_oneshot_max_bytes
+from sm120patch.bench.limits import UNFUSED_PATHS, Row, derive, release_oneshot_max_bytes
 from sm120patch.bench.preflight import SUPPORTED_WORLD_SIZES, BenchRequest, parse_int_list, preflight
 from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, TuneReport, failure
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
 from sm120patch.distributions import load_registry
+from sm120patch.environment import version_or_none
 from sm120patch.errors import CheckFailedError, Sm120PatchError, UsageError
 from sm120patch.words import spec_words
 
 __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Case", "Recommendation", "Series",
-           "TargetInfo", "TuneReport", "_classify", "_sglang_flag", "bench", "tune", "failure", "follow", "parse_int_list", "preflight",
-           "probe_target", "run"]
+           "TargetInfo", "TuneReport", "_classify", "_sglang_flag", "bench", "tune", "failure", "follow", "parse_int_list",
+           "pcie_ipc_paths", "preflight", "probe_target", "run"]
 
 
 def bench(request: BenchRequest, *, on_event: Callable[[dict], None] | None = None) -> BenchReport:
@@ -63,7 +65,7 @@ def tune(request: BenchRequest, *, profile_path: Path, model: Path | None = None
     world = prepared.world_size
     settings = {"repeats": request.repeats, "oneshot_max_bytes": release_oneshot_max_bytes(world),
                 "runtime": Path(runtime.__file__).read_text(encoding="utf-8"),
-                "distributions": [d.name for d in prepared.registry] + ["torch"]}
+                "distributions": [d.name for d in prepared.registry] + ["torch"], "pcie_ipc": list(prepared.pcie_ipc)}
     report = run(prepared.request, world_size=world, on_event=on_event, servers=prepared.paths, tune=settings)
     facts = report.meta["tune"]
     hidden = request.hidden[0]
@@ -92,6 +94,7 @@ class _Prepared(NamedTuple):
     registry: object
     status: object
     paths: list
+    pcie_ipc: tuple = ()  # the servers' PCIe-IPC paths the tuner times (pcie_ipc_paths)
 
 
 def _prepare(request: BenchRequest) -> _Prepared:
@@ -114,7 +117,23 @@ def _prepare(request: BenchRequest) -> _Prepared:
     world_size = preflight(request, target, flashinfer_verdict=tree.assessment.verdict.value,
                            aot_shadows=[s.path for s in status.aot], servers=chains)
     paths = [c.fusion for c in chains if c.fusion is not None and c.fusion.path is not None]
-    return _Prepared(request, world_size, registry, status, paths)
+    return _Prepared(request, world_size, registry, status, paths, tuple(pcie_ipc_paths(status)))
+
+
+def pcie_ipc_paths(status) -> list[dict]:
+    """The PCIe-IPC allreduce each installed server release has with the installed FlashInfer
+    (its distribution's [[pcie_ipc]] rows): the unfused paths `bench --tune` times beside NCCL,
+    as the worker's config ("column": the table's, limits.UNFUSED_PATHS)."""
+    found = []
+    for item in status.trees:
+        with_version = version_or_none(item.with_raw_version) if item.with_raw_version else None
+        path = item.distribution.pcie_ipc_path(item.tree.version, with_version)
+        if path is not None:
+            found.append({"name": path.name, "column": UNFUSED_PATHS[path.name], "code": path.code,
+                          "rows": path.rows, "switch": path.switch,
+                          "server": f"{item.assessment.name} {item.assessment.raw_version} with "
+                                    f"{item.distribution.fusion_with} {item.with_raw_version}"})
+    return found
 
 
 def _sglang_flag(registry, status) -> str:

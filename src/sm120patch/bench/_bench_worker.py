@@ -6,7 +6,8 @@
 # FlashInfer's fused allreduce + residual add + RMSNorm (the call SGLang makes) against an
 # NCCL allreduce followed by a reference RMSNorm in float32, then times the fused call against
 # the unfused pair (NCCL allreduce + FlashInfer's fused_add_rmsnorm), in CUDA graphs where they
-# can be captured.
+# can be captured. With "tune" it measures the paths the tuner derives limits from, each
+# server's PCIe-IPC allreduce among them (make_pcie_ipc: made with the server's own class).
 #
 # Protocol with the parent (sm120patch.bench): the configuration arrives as JSON in
 # SM120PATCH_BENCH_CONFIG; rank 0 writes progress as JSON lines to the file descriptor in
@@ -14,10 +15,13 @@
 # that fails writes <dir>/error-<rank>.json ({"phase", "message", "case"}) and exits 1.
 # torch.distributed is initialised from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (env://).
 # Python 3.8+, so no newer syntax.
+import contextlib
 import hashlib
 import importlib
 import json
+import logging
 import os
+import pathlib
 import sys
 import traceback
 
@@ -342,7 +346,17 @@ def main(config, rank, world, out_dir):
                        graphs=all(t[2] for t in timings))
         results.append(row)
     if tune:
-        rows = tune_rows(config, rank, world, device, dtype, workspace_tensor, group)
+        made = []
+        if tune.get("pcie_ipc"):
+            emit(event="stage", text="creating the servers' PCIe-IPC allreduce as each does with its switch on "
+                 "(FlashInfer builds and tunes its kernels: minutes the first time)")
+            cpu_group = dist.new_group(backend="gloo")  # the servers' CPU group: FlashInfer tunes over it
+            made = [make_pcie_ipc(spec, world, group, cpu_group, device, config["hidden"][0], dtype,
+                                  config["tokens"], out_dir) for spec in tune["pcie_ipc"]]
+        rows = tune_rows(config, rank, world, device, dtype, workspace_tensor, group, made)
+        for path in made:
+            if path["destroy"] is not None:
+                path["destroy"]()
     else:
         emit(event="case", index=len(cases))
     dist.barrier(group=group)
@@ -366,7 +380,8 @@ def main(config, rank, world, out_dir):
             "cases": results,
         }
         if tune:
-            document["tune"] = dict(profile_facts(tune["runtime"], tune["distributions"]), gpus=gpus, rows=rows)
+            document["tune"] = dict(profile_facts(tune["runtime"], tune["distributions"]), gpus=gpus, rows=rows,
+                                    pcie_ipc=[path["info"] for path in made])
         path = os.path.join(out_dir, "result.json")
         with open(path + ".tmp", "w") as handle:
             json.dump(document, handle)
@@ -437,11 +452,167 @@ def slowest_per_repetition(per_rank):
     return [max(figures) for figures in zip(*per_rank)]
 
 
-def tune_rows(config, rank, world, device, dtype, workspace_tensor, group):
+class _Lines(object):
+    """A logging handler that keeps what a server's module logs at warning level and above (its
+    reasons for staying on NCCL), for the report."""
+
+    def __init__(self, name):
+        self.logger, self.lines = logging.getLogger(name), []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        self.logger.addHandler(self.handler)
+
+    def close(self):
+        self.logger.removeHandler(self.handler)
+        return self.lines
+
+
+def pcie_ipc_batches(rows):
+    """SGLang's tune batches for a workspace of ``rows`` rows: the powers of two up to 512 that
+    fit, and ``rows`` itself (pcie_ipc_ar.py's _tune_batches, used only where SGLang does not
+    import)."""
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= rows]
+    return tuple(batches + ([rows] if rows >= 1 and rows not in batches else []))
+
+
+def make_pcie_ipc(spec, world, group, cpu_group, device, hidden, dtype, tokens, out_dir):
+    """The server's PCIe-IPC allreduce made as that server makes it with its switch on (``spec``:
+    the parent's row: "name", "code" the server's class as "module:Class", "rows" the widest batch
+    the server sizes its workspace for): its own class where it imports, else FlashInfer's
+    PcieIpcAllReduceWorkspace with the arguments it passes. Returns {"allreduce": x -> the reduced
+    tensor, "takes": x -> whether the server sends x there, "around": a context for graph capture
+    or None, "destroy", "info": for the report}; where it cannot be made, "allreduce" is None and
+    "info" says why (every rank agrees: the tuner then times the other paths)."""
+    import torch
+    import torch.distributed as dist
+
+    name, rows = spec["name"], spec["rows"]
+    info = {"name": name, "column": spec["column"], "server": spec["server"], "switch": spec["switch"], "rows": rows,
+            "how": None, "error": None, "log": []}
+    made = {"allreduce": None, "takes": None, "around": None, "destroy": None, "info": info}
+    module_name, class_name = spec["code"].split(":")
+    lines = _Lines(module_name)
+    try:
+        own = getattr(importlib.import_module(module_name), class_name)
+        info["how"] = "the server's own %s" % class_name
+    except Exception as exc:  # noqa: BLE001 - a server that does not import here
+        own = None
+        info["how"] = ("FlashInfer's PcieIpcAllReduceWorkspace with the arguments the server passes (%s does not "
+                       "import here: %s)" % (module_name, last_line(exc)))
+    # The server's vLLM-style capture sizes: every batch measured up to its widest, and that one.
+    sizes = sorted(set([t for t in tokens if t <= rows] + [rows]))
+    try:
+        if name == "sglang-pcie-ipc" and own is not None:
+            comm = own(group=group, device=device, cpu_group=cpu_group)
+            if not comm.disabled:
+                comm.prepare(hidden=hidden, max_rows=rows)  # as SGLang's runner does before graph capture
+            if comm.disabled or getattr(comm, "_workspace", None) is None:
+                raise Failure("pcie-ipc", "; ".join(lines.lines) or "the server left it off (world size %d)" % world)
+            info["rows"] = comm.max_numel // hidden  # SGLANG_PCIE_IPC_MAX_NUMEL, where set, sized it
+            made.update(allreduce=comm.pcie_ipc_all_reduce, takes=comm.should_pcie_ipc_ar, destroy=comm.destroy)
+        elif name == "vllm-pcie-ipc" and own is not None:
+            comm = own(group=group, tune_group=cpu_group, device=device)
+            if not comm.disabled:  # as vLLM's kernel warmup does before graph capture
+                comm.setup(hidden_dim=hidden, dtype=dtype, capture_sizes=sizes,
+                           tune_cache=_vllm_tune_cache(out_dir, world))
+            if comm.disabled or comm.workspace is None:
+                raise Failure("pcie-ipc", "; ".join(lines.lines) or "the server left it off (world size %d)" % world)
+            made.update(allreduce=comm.all_reduce, takes=comm.should_use, around=comm.capture, destroy=comm.destroy)
+        else:
+            from flashinfer.comm import PcieIpcAllReduceWorkspace
+            from flashinfer.comm.pcie_ipc_tuning import default_cache_path
+
+            if name == "sglang-pcie-ipc":  # bf16 only, SGLANG_PCIE_IPC_MAX_NUMEL or rows x hidden
+                kind, numel = torch.bfloat16, int(os.environ.get("SGLANG_PCIE_IPC_MAX_NUMEL") or 0) or rows * hidden
+                info["rows"] = numel // hidden
+                workspace = PcieIpcAllReduceWorkspace(group=group, max_numel=numel, dtype=kind,
+                                                      tune_batches=pcie_ipc_batches(numel // hidden),
+                                                      tune_cache=str(default_cache_path(world)))
+                try:
+                    workspace.tune([hidden], dtype=kind, tune_group=cpu_group)
+                except Exception:  # noqa: BLE001 - SGLang keeps the seed policy then
+                    pass
+            else:  # vLLM: the model's dtype, the capture sizes, tuned and prepared
+                kind, numel = dtype, sizes[-1] * hidden
+                workspace = PcieIpcAllReduceWorkspace(group=group, max_numel=numel, dtype=kind, tune_batches=tuple(sizes),
+                                                      tune_cache=_vllm_tune_cache(out_dir, world))
+                torch.cuda.synchronize(device)
+                workspace.rebind_stream()
+                workspace.tune([hidden], dtype=kind, tune_group=cpu_group)
+                workspace.prepare([(b, hidden) for b in sizes], dtype=kind)
+
+            def takes(x):
+                return (x.dtype == kind and x.is_contiguous() and x.dim() == 2 and x.shape[1] == hidden
+                        and x.numel() <= numel and workspace.supports(x))
+
+            bound = [None]
+
+            def allreduce(x):  # both servers move the workspace to the stream that calls it
+                stream = torch.cuda.current_stream()
+                if bound[0] is None or stream != bound[0]:
+                    workspace.rebind_stream()
+                    bound[0] = stream
+                return workspace.all_reduce(x)
+
+            @contextlib.contextmanager
+            def around():
+                torch.cuda.synchronize(device)
+                workspace.rebind_stream()
+                try:
+                    yield
+                finally:
+                    torch.cuda.synchronize(device)
+                    workspace.rebind_stream()
+
+            made.update(allreduce=allreduce, takes=takes, around=around, destroy=workspace.destroy)
+    except Failure as failure:
+        info["error"] = failure.message
+    except Exception as exc:  # noqa: BLE001 - said in the report; the other paths are timed
+        info["error"] = last_line(exc)
+    if info["error"]:
+        made.update(allreduce=None, destroy=None)
+    info["log"] = lines.close()  # what the server's module warned about (an autotune it skipped, ...)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, info["error"], group=group)
+    failed = [e for e in everyone if e]
+    if failed and made["allreduce"] is not None:  # another rank failed: nobody times it (a lone rank would hang)
+        info["error"] = "on another rank: %s" % failed[0]
+        made.update(allreduce=None, destroy=None)
+    return made
+
+
+def _vllm_tune_cache(out_dir, world):
+    """vLLM names its tune cache pcie_ipc_allreduce_tp_<ranks>.json beside its FlashInfer autotune
+    file (a per-model directory the tuner cannot know): here, the run's own directory, so it tunes
+    as a first start does and leaves no file behind."""
+    return pathlib.Path(out_dir) / ("pcie_ipc_allreduce_tp_%s.json" % "-".join(str(r) for r in range(world)))
+
+
+def pcie_ipc_row(made, x, residual, gamma, eps):
+    """The server's PCIe-IPC allreduce + fused_add_rmsnorm at one size, as a tune path
+    (name, the call checked, the call timed, its outputs, the capture context)."""
+    from flashinfer.norm import fused_add_rmsnorm
+
+    a, r, out = x.clone(), residual.clone(), [None]
+
+    def timed():  # out of place, as the servers' allreduce returns a new tensor; the norm in place
+        out[0] = made["allreduce"](a)
+        fused_add_rmsnorm(out[0], r, gamma, eps)
+
+    def checked():
+        r.copy_(residual)
+        timed()
+
+    return made["info"]["column"], checked, timed, lambda: (out[0], r), made["around"]
+
+
+def tune_rows(config, rank, world, device, dtype, workspace_tensor, group, pcie_ipc=()):
     """For each token count at the one hidden size: check every path against the float32
     reference, then time them, ``repeats`` independent repetitions interleaved path by path
     (a drift of the clocks touches every path alike). One-shot is timed only within FlashInfer's
-    own one-shot region (the tuned limit never passes it), two-shot only above ``world`` tokens."""
+    own one-shot region (the tuned limit never passes it), two-shot only above ``world`` tokens,
+    a server's PCIe-IPC path (``pcie_ipc``: make_pcie_ipc's) only at the sizes that server sends
+    it (the others are listed in the row's "not_run")."""
     import torch
     import torch.distributed as dist
     from flashinfer.norm import fused_add_rmsnorm
@@ -472,24 +643,32 @@ def tune_rows(config, rank, world, device, dtype, workspace_tensor, group):
             r.copy_(residual)
             unfused()
 
-        paths = []  # (name, the call checked, the call timed, its outputs)
+        paths = []  # (name, the call checked, the call timed, its outputs, the capture's context)
         if message <= tune["oneshot_max_bytes"] or tokens <= world:
             body, outputs = fused(True)
-            paths.append(("oneshot", body, body, outputs))
+            paths.append(("oneshot", body, body, lambda outputs=outputs: outputs, None))
         if tokens > world:
             body, outputs = fused(False)
-            paths.append(("twoshot", body, body, outputs))
-        paths.append(("unfused", unfused_from_inputs, unfused, (a, r)))
+            paths.append(("twoshot", body, body, lambda outputs=outputs: outputs, None))
+        paths.append(("unfused", unfused_from_inputs, unfused, lambda: (a, r), None))
         row = {"tokens": tokens, "bytes": message}
+        for made in pcie_ipc:
+            if made["allreduce"] is None:
+                continue
+            if made["takes"](x):  # a function of the shape: every rank answers alike
+                paths.append(pcie_ipc_row(made, x, residual, gamma, eps))
+            else:  # the server sends this size elsewhere (NCCL): absent here, never 0 us
+                row.setdefault("not_run", []).append(made["info"]["name"])
         worst = 0.0
-        for name, checked, _, (out_norm, out_residual) in paths:
+        for name, checked, _, outputs, _ in paths:
             dist.barrier(group=group)
             try:
                 checked()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001
-                raise Failure("fused" if name != "unfused" else "unfused", last_line(exc),
+                raise Failure("fused" if name in ("oneshot", "twoshot") else "unfused", last_line(exc),
                               {"tokens": tokens, "hidden": hidden, "strategy": name})
+            out_norm, out_residual = outputs()
             ratio = max(tolerance_ok(out_norm, ref_norm, config["atol"], config["rtol"])[1],
                         tolerance_ok(out_residual, ref_residual, config["atol"], config["rtol"])[1])
             row["%s_check" % name] = ratio
@@ -497,11 +676,14 @@ def tune_rows(config, rank, world, device, dtype, workspace_tensor, group):
         ratios = [None] * world
         dist.all_gather_object(ratios, worst, group=group)
         if max(ratios) > 1.0:
-            bad = [name for name, _, _, _ in paths if row["%s_check" % name] > 1.0] or ["a path on another rank"]
+            bad = [path[0] for path in paths if row["%s_check" % path[0]] > 1.0] or ["a path on another rank"]
             raise Failure("check", "%s differs from NCCL + float32 RMSNorm (%.3g times the tolerance): no timing "
                           "of a wrong result" % (", ".join(bad), max(ratios)),
                           {"tokens": tokens, "hidden": hidden, "strategy": bad[0]})
-        runs = [(name, capture(timed, config["inner"])) for name, _, timed, _ in paths]
+        runs = []
+        for name, _, timed, _, around in paths:
+            with around() if around is not None else contextlib.nullcontext():
+                runs.append((name, capture(timed, config["inner"])))
         mine = dict((name, []) for name, _ in runs)
         for repetition in range(tune["repeats"]):
             # Progress per repetition: the parent's time limit is per step, and --repeats sets the steps.
