@@ -521,6 +521,40 @@ def test_follow_times_out_while_starting_with_exit_5(tmp_path):
     assert result.exit_code == 5 and "still starting" in result.output and "timeout passed" in result.output
 
 
+def test_new_run_gives_the_restarted_servers_verdict_not_the_run_before(tmp_path):
+    """A log kept across restarts ends with the run before the restart (fused here) until the
+    restarted server's first line comes: --follow answers with that old run at once; --new-run
+    waits for the run that begins after it started and gives that run's verdict (fell back)."""
+    version = "0.5.9"
+    log = tmp_path / "sglang.log"
+    log.write_text(sglang_run(version, "fused"))
+    args = ("--json", "--server", "sglang", "--version", version)
+    old = run_cli("check-log", str(log), "--follow", "--timeout", "30", *args)
+    assert old.exit_code == 0 and json.loads(old.output)["verdict"] == "fused"
+
+    def restart():
+        time.sleep(1.5)  # the restarted server's first line comes after check-log has read the file
+        with log.open("a") as f:
+            f.write(sglang_run(version, "fell-back"))
+
+    writer = threading.Thread(target=restart)
+    writer.start()
+    result = run_cli("check-log", str(log), "--new-run", "--timeout", "60", *args)
+    writer.join()
+    doc = json.loads(result.output)
+    assert result.exit_code == 1 and doc["verdict"] != "fused" and (doc["run"], doc["runs"]) == (2, 2), doc
+    assert doc["final"] and not doc["timed_out"], doc
+
+
+def test_new_run_without_one_is_no_verdict_yet(tmp_path):
+    log = tmp_path / "sglang.log"
+    log.write_text(sglang_run("0.5.9", "fused"))
+    result = run_cli("check-log", str(log), "--new-run", "--timeout", "1", "--server", "sglang", "--version", "0.5.9")
+    assert result.exit_code == 5, result.output
+    assert "no run of the server began after check-log started (the newest in the log: run 1, from line 1, was " \
+           "already there): no verdict yet" in result.output
+
+
 def test_truncation_and_a_100_mb_log_are_streamed(tmp_path):
     version = "0.5.9"
     filler = sglang_line(version, " TP0", "Decode batch. #running-req: 1, #token: 100, token usage: 0.00, "

@@ -649,6 +649,7 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
              epilog=epilog(["sm120patch check-log /var/log/sglang.log --version 0.5.9",
                             "sm120patch check-log server.log --python ~/ml-env/bin/python3",
                             "sm120patch check-log /var/log/vllm.log --follow --timeout 900 --json",
+                            "sm120patch check-log /var/log/sglang.log --new-run --timeout 900 & systemctl restart sglang; wait $!",
                             "journalctl -u sglang -o cat | sm120patch check-log - --server sglang"],
                            [(0, "fused: FlashInfer's workspace was created on every rank (the newest run of the log)"),
                             (1, "fell back to unfused allreduce, not requested, crashed or died outside Python (it "
@@ -668,11 +669,14 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
 @python_option
 @click.option("--follow", is_flag=True, help="Keep reading the growing file (like tail -F: rotation and truncation "
               "too) until the first final verdict or --timeout.")
+@click.option("--new-run", is_flag=True, help="Follow the log for a run that begins after this command starts, and "
+              "give its verdict (the runs already in the log do not count): start it before, or as, you restart "
+              "the server.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
-              help="With --follow, or reading a pipe or FIFO: stop waiting after this long and give the verdict "
-                   "of what was read (exit 5 when that is no verdict yet).")
+              help="With --follow or --new-run, or reading a pipe or FIFO: stop waiting after this long and give the "
+                   "verdict of what was read (exit 5 when that is no verdict yet).")
 @json_option
-def check_log(log, server, server_version, python, follow, timeout, as_json):
+def check_log(log, server, server_version, python, follow, new_run, timeout, as_json):
     """Say from a server's own log lines whether SGLang or vLLM really fused (which backend, the
     workspace on every rank), fell back to unfused allreduce (the release's message, the step
     that explains it and the fix), crashed (the exception and its last frame), is still starting,
@@ -681,7 +685,8 @@ def check_log(log, server, server_version, python, follow, timeout, as_json):
     from sm120patch import logcheck, render
 
     signals.STATE.reading = True
-    report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout))
+    report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout,
+                                                         new_run))
     return show(report, as_json, render.render_log_check, render.log_check_json)
 
 

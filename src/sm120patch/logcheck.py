@@ -399,6 +399,10 @@ class CheckLogRequest(NamedTuple):
     python: str | None = None
     follow: bool = False
     timeout: float = 600.0
+    # Only a run that begins after check-log started decides (it follows the log for it): a log
+    # kept across restarts still ends with the run before the restart until the new one's first
+    # line comes, and that run's verdict is not the restarted server's.
+    new_run: bool = False
 
 
 def _installed_version(python: str, server: str | None, registry) -> tuple[str | None, str | None]:
@@ -459,15 +463,32 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
                 report.fix)
         return report
 
+    follow = request.follow or request.new_run
+    before: int | None = None  # --new-run: the runs the log held once what was there was read
+
+    def current(timed_out: bool = False) -> LogCheckReport:
+        """The verdict so far; with --new-run, none until a run begins after the start."""
+        runs = analysis.runs.count if analysis.runs is not None else 0
+        if before is None or runs > before:
+            return finish(timed_out)
+        newest = f"run {analysis.runs.run.number}, from line {analysis.runs.run.first_line}" if runs else "none"
+        return LogCheckReport(source=source, server=analysis.server, version=str(version) if version else None,
+                              version_from=version_from if version else "", verdict=STARTING, final=False,
+                              summary=f"no run of the server began after check-log started (the newest in the log: "
+                                      f"{newest}, was already there): no verdict yet",
+                              lines=analysis.lines, timed_out=timed_out, run=runs, runs=runs)
+
     # --follow: the first final verdict once what was there is read (the newest run decides);
     # a pipe or FIFO, followed or not, ends at its writer's close or at the deadline.
-    lines = open_lines(source, follow=request.follow, deadline=deadline)
+    lines = open_lines(source, follow=follow, deadline=deadline)
     idle_since = None
     caught_up = False
     try:
         for text in lines:
             if text is None:
                 now = time.monotonic()
+                if not caught_up and request.new_run:
+                    before = analysis.runs.count if analysis.runs is not None else 0
                 caught_up = True
                 idle_since = idle_since or now
                 if now - idle_since >= IDLE_CRASH_S:
@@ -476,19 +497,19 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             else:
                 idle_since = None
                 analysis.feed(text)
-            if request.follow and caught_up and analysis.changed:
+            if follow and caught_up and analysis.changed:
                 analysis.changed = False
-                report = finish()
+                report = current()
                 if on_event is not None:
                     on_event(report)
                 if report.final:
                     return report
-            if (request.follow or text is None) and time.monotonic() >= deadline:
-                return finish(timed_out=True)
+            if (follow or text is None) and time.monotonic() >= deadline:
+                return current(timed_out=True)
     except OSError as exc:
         raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
     analysis.idle()
-    return finish()
+    return current()
 
 
 __all__ = ["CheckLogRequest", "check_log", "load_logs", "parse_logs", "Sm120PatchError"]
