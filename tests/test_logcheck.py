@@ -546,6 +546,32 @@ def test_new_run_gives_the_restarted_servers_verdict_not_the_run_before(tmp_path
     assert doc["final"] and not doc["timed_out"], doc
 
 
+def test_new_run_counts_what_was_there_by_its_size_at_the_start_not_by_when_it_was_read(tmp_path):
+    """The restarted server may write before check-log has read the old runs (a large log): what
+    the file held at the start ends at its size then, so the new run's first lines still count as
+    new. The reader's first idle tick comes exactly there, whatever was appended meanwhile."""
+    from sm120patch.logsource import open_lines
+
+    log = tmp_path / "sglang.log"
+    before, after = sglang_run("0.5.9", "fused"), sglang_run("0.5.9", "fell-back")
+    log.write_text(before[:-10])  # the old run's last line not finished yet at the start
+    lines = open_lines(str(log), follow=True, deadline=None, mark_start=True)
+    with log.open("a") as f:  # the end of that line, and the restarted server's run, before any read
+        f.write(before[-10:] + after)
+    read = []
+    for text in lines:
+        if text is None:
+            break
+        read.append(text)
+    assert read == before.splitlines()[:-1]  # the old run's whole lines, and not one line more
+    rest = []
+    for text in lines:
+        if text is None:
+            break
+        rest.append(text)
+    assert rest == (before[before.rstrip("\n").rfind("\n") + 1:] + after).splitlines()
+
+
 def test_new_run_without_one_is_no_verdict_yet(tmp_path):
     log = tmp_path / "sglang.log"
     log.write_text(sglang_run("0.5.9", "fused"))

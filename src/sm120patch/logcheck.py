@@ -480,7 +480,7 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
 
     # --follow: the first final verdict once what was there is read (the newest run decides);
     # a pipe or FIFO, followed or not, ends at its writer's close or at the deadline.
-    lines = open_lines(source, follow=follow, deadline=deadline)
+    lines = open_lines(source, follow=follow, deadline=deadline, mark_start=request.new_run)
     idle_since = None
     caught_up = False
     try:

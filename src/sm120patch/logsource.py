@@ -103,10 +103,13 @@ class Follower:
     inode at the path, after what was left in the old one is read) or truncated (copytruncate).
     Yields None when nothing new came for a while (the caller checks its clock)."""
 
-    def __init__(self, path: Path, poll: float = TICK) -> None:
+    def __init__(self, path: Path, poll: float = TICK, until: int | None = None) -> None:
         self.path, self.poll = path, poll
         self.handle = None
         self.inode = None
+        # Bytes of the file to read before the first None whatever is appended meanwhile (check-log
+        # --new-run: what was there when it started ends exactly there).
+        self.until = until
 
     def _open(self) -> bool:
         try:
@@ -125,10 +128,18 @@ class Follower:
                 yield None
                 time.sleep(self.poll)
                 continue
-            data = self.handle.read(CHUNK)
+            size = CHUNK
+            if self.until is not None:
+                size = min(CHUNK, self.until - self.handle.tell())
+                if size <= 0:
+                    self.until = None
+                    yield None
+                    continue
+            data = self.handle.read(size)
             if data:
                 yield from lines.feed(data)
                 continue
+            self.until = None  # shorter than it was (truncated): what was there is read
             # At the end of what is there: replaced, truncated, or just not written yet.
             try:
                 now = os.stat(self.path)
@@ -173,10 +184,11 @@ def _stdin(deadline: float | None) -> Iterator[str | None]:
     return _pipe(fd, "standard input", deadline)
 
 
-def open_lines(source: str, *, follow: bool, deadline: float | None) -> Iterator[str | None]:
+def open_lines(source: str, *, follow: bool, deadline: float | None, mark_start: bool = False) -> Iterator[str | None]:
     """The decoded lines of ``source`` (a path or ``-``), None for an idle tick of a source that
     can wait (a followed file, a pipe). ``deadline`` bounds the wait of a pipe or FIFO, followed or
-    not (--timeout)."""
+    not (--timeout). ``mark_start`` (a followed file): the first None comes once the bytes the file
+    held now are read, even if more is written meanwhile."""
     if source == "-":
         return _stdin(deadline)
     path = Path(source)
@@ -198,7 +210,7 @@ def open_lines(source: str, *, follow: bool, deadline: float | None) -> Iterator
             raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
         return _pipe(fd, source, deadline)
     if follow:
-        return iter(Follower(path))
+        return iter(Follower(path, until=os.stat(path).st_size if mark_start else None))
     try:
         handle = open(path, "rb")  # noqa: SIM115 - closed when the generator is
     except OSError as exc:
