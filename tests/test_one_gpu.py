@@ -177,11 +177,12 @@ def test_tuner_with_ranks_on_one_gpu_checks_every_path_and_writes_no_profile_unl
 
     code, document = tune(world, profile, SM120PATCH_TUNE_ALLOW_SHARED_GPU="1")
     assert code == 0 and document["errors"] == [] and profile.exists(), document
-    written = json.loads(profile.read_text())
-    entry, why = runtime._sm120patch_judge(written, world, runtime._sm120patch_box(), runtime._sm120patch_nccl_env(),
-                                           {"flashinfer-python": written["entries"][str(world)]["software"].get(
-                                               "flashinfer-python")})
-    assert why == "" and entry is not None and written["box"] == runtime._sm120patch_box()
+    # The servers' own code, in the serving interpreter, as a server process judges it at its start.
+    judged = subprocess.run([PATCHED, "-c", "import json, sys; ns = {}; exec(open(sys.argv[1]).read(), ns); "
+                             "entry, why = ns['_sm120patch_decide'](int(sys.argv[2]), False); "
+                             "print(json.dumps([entry is not None, why]))", str(Path(runtime.__file__)), str(world)],
+                            capture_output=True, text=True, env=dict(os.environ, SM120PATCH_TUNED_LIMITS=str(profile)))
+    assert json.loads(judged.stdout) == [True, ""], judged.stdout + judged.stderr
 
 
 @pytest.mark.parametrize("world", [2, 4])

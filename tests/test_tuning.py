@@ -6,6 +6,7 @@ arithmetic in a real torch (CPU) environment. No GPU ran any of this; docs/tunin
 from __future__ import annotations
 
 import ast
+import json
 import random
 import re
 import zipfile
@@ -351,9 +352,10 @@ def pcie_rows(columns: dict = PCIE_X4) -> list[dict]:
 def tuned(monkeypatch):
     """`bench --tune --tp 4 --hidden 4096` with the workers' document given: returns a function
     that runs the command with these GPUs (bus ids per rank) and extra arguments."""
-    def invoke(*args, gpus=GPUS, pcie_ipc=(), rows=None, made=None):
+    def invoke(*args, gpus=GPUS, pcie_ipc=(), rows=None, made=None, collectives="nccl"):
         """``pcie_ipc``: the servers' PCIe-IPC paths _prepare found; ``rows`` and ``made`` (the
-        workers' account of each path): what the workers hand back."""
+        workers' account of each path), ``collectives`` (the workers' process group): what the
+        workers hand back."""
         def prepare(request):
             return bench._Prepared(bench.replace(request, python=Path("/srv/env/bin/python")), 4,
                                    load_registry(full=False), None, [], tuple(pcie_ipc))
@@ -363,7 +365,8 @@ def tuned(monkeypatch):
             assert {"flashinfer-python", "sglang", "vllm", "torch"} <= set(tune["distributions"])
             assert tune["runtime"] == Path(runtime.__file__).read_text()
             invoke.config = tune
-            meta = {"flashinfer": "0.6.4", "torch": "2.11.0+cu130", "cuda": "13.0", "device": "NVIDIA RTX PRO 6000",
+            meta = {"flashinfer": "0.6.4", "torch": "2.11.0+cu130", "cuda": "13.0", "collectives": collectives,
+                    "device": "NVIDIA RTX PRO 6000",
                     "capability": "12.0", "tune": {"box": runtime._sm120patch_box(), "gpus": list(gpus),
                                                    "nccl_env": runtime._sm120patch_nccl_env(), "software": SOFTWARE,
                                                    "rows": rows or pcie_rows()}}
@@ -406,8 +409,15 @@ def test_tune_from_ranks_sharing_a_gpu_prints_the_table_and_writes_nothing(tuned
     assert result.exit_code == ExitCode.REFUSED and not path.exists()
     assert "profile: not written (below)" in result.output
     assert "sm120patch: error: ranks 0 and 1 ran on one GPU (0000:01:00.0)" in result.output
+    assert "ranks: every rank on GPU 0" not in result.output  # four GPUs' ranks, two of them shared: NCCL
     monkeypatch.setenv(profile.ALLOW_SHARED, "1")
-    assert tuned("--hidden", "4096", "--profile", str(path), gpus=[GPUS[0]] * 4).exit_code == 0 and path.exists()
+    # Every rank on GPU 0 (the test-only SM120PATCH_TUNE_ONE_GPU): the workers' gloo is said, never NCCL's.
+    forced = tuned("--hidden", "4096", "--profile", str(path), "--json", gpus=[GPUS[0]] * 4,
+                   collectives="gloo, every rank on GPU 0")
+    assert forced.exit_code == 0 and path.exists() and json.loads(forced.output)["collectives"].startswith("gloo")
+    text = tuned("--hidden", "4096", "--profile", str(path), gpus=[GPUS[0]] * 4, collectives="gloo, every rank on GPU 0")
+    assert ("ranks: every rank on GPU 0 (SM120PATCH_TUNE_ONE_GPU, for tests): the collectives went over gloo through "
+            "host memory, so NCCL below means gloo") in " ".join(text.output.split())
 
 
 def test_tune_reads_the_models_config_and_its_dtype(tuned, tmp_path):

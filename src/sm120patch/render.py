@@ -889,6 +889,10 @@ def render_tune(report: TuneReport) -> str:
         f"timing: µs per call, median [interquartile range] of {counted(report.request.repeats, 'repetition')} "
         "(each the slowest rank's), some as eager launches (not capturable in a CUDA graph)",
     ]
+    if meta.get("collectives", "nccl") != "nccl":  # the test-only SM120PATCH_TUNE_ONE_GPU
+        lines.append("ranks: every rank on GPU 0 (SM120PATCH_TUNE_ONE_GPU, for tests): the collectives went over gloo "
+                     "through host memory, so NCCL below means gloo, and the ranks took turns on the GPU: no figure "
+                     "here is a server's")
     for server in servers:
         said = f"{server['server']}'s PCIe-IPC allreduce ({server['switch']}, fusion off)"
         if server["error"]:
@@ -940,7 +944,8 @@ def tune_json(report: TuneReport) -> dict:
     return {
         "python": str(report.request.python),
         "world_size": report.world_size,
-        **{k: report.meta.get(k) for k in ("flashinfer", "torch", "cuda", "nccl", "device", "capability")},
+        **{k: report.meta.get(k) for k in ("flashinfer", "torch", "cuda", "nccl", "collectives", "device",
+                                           "capability")},
         "entry": report.entry,
         "profile": None if report.profile is None else {
             "path": str(report.profile.path), "replaced_tp": report.profile.replaced_tp,
