@@ -40,6 +40,9 @@ pcie-ipc)
     # so the worker makes FlashInfer's workspace with each server's arguments and says so. Every
     # rank a process on GPU 0 over gloo; correctness only. PCIE_WORLDS: the TP sizes (default 2: the
     # first call also builds pcie_ipc_comm and tunes under time slicing; PCIE_WORLDS=4 in a second).
+    # FlashInfer's autotune over SGLang's 512 rows (tune batches 1..512) does not finish in one call
+    # under time slicing (docs/tuning.md): SGLANG_PCIE_IPC_MAX_NUMEL=65536 (16 rows at hidden 4096),
+    # PCIE_PATHS=sglang-pcie-ipc PCIE_TOKENS=1,8,16 is the run recorded there.
     d=/tmp/fi-0.7.0-pcie
     if [ ! -e $d/.ready ]; then
         python3 -m venv $d
@@ -50,7 +53,8 @@ pcie-ipc)
     nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
     for w in ${PCIE_WORLDS:-2}; do
         step env FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=$d/ws $d/bin/python \
-            benchmarks/pcie_ipc_one_gpu.py run --world $w --out "$OUT/pcie-ipc-tp$w.json" --timeout ${PCIE_TIMEOUT:-420}
+            benchmarks/pcie_ipc_one_gpu.py run --world $w --paths ${PCIE_PATHS:-sglang-pcie-ipc,vllm-pcie-ipc} \
+            --tokens ${PCIE_TOKENS:-1,8,64,512,1024} --out "$OUT/pcie-ipc-tp$w.json" --timeout ${PCIE_TIMEOUT:-420}
     done
     ;;
 unicast)
