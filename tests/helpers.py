@@ -137,6 +137,12 @@ def snapshot(env: ServingEnv, *extra: Path) -> dict[str, tuple]:
     return tree_snapshot(env.root, env.home, *extra)
 
 
+# The sha256 of each file that test environments share with the real-wheel template by a hard
+# link (conftest.py's serving_env), by (device, inode), hashed once per run: conftest.py fails
+# a test that writes one of them in place, so the bytes cannot change under this cache.
+SHARED_HASHES: dict[tuple[int, int], str | None] = {}
+
+
 def tree_snapshot(*bases: Path) -> dict[str, tuple]:
     """:func:`snapshot` of any directories."""
     found = {}
@@ -150,7 +156,11 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
             if path.is_symlink():
                 what = ("link", os.readlink(path))
             elif path.is_file():
-                what = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+                key = (info.st_dev, info.st_ino)
+                digest = SHARED_HASHES.get(key) or hashlib.sha256(path.read_bytes()).hexdigest()
+                if key in SHARED_HASHES:
+                    SHARED_HASHES[key] = digest
+                what = ("file", digest)
             else:
                 what = ("dir",)
             found[str(path)] = (*what, info.st_mode, info.st_uid, info.st_gid)
@@ -160,8 +170,13 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
 def fingerprint(env: ServingEnv) -> dict[str, tuple]:
     """What any write changes (inode, mode, size, modification time) for every path of ``env``
     and its JIT cache base, without reading the files: cheap enough to take around every test."""
+    return tree_fingerprint(env.root, env.home)
+
+
+def tree_fingerprint(*bases: Path) -> dict[str, tuple]:
+    """:func:`fingerprint` of any directories (the wheel cache: gigabytes, never read)."""
     found = {}
-    for base in (env.root, env.home):
+    for base in bases:
         for path in [base, *base.rglob("*")]:
             if "__pycache__" not in path.parts:
                 info = path.lstat()
