@@ -109,8 +109,8 @@ class ServingEnv:
                 if not row or not row[1]:
                     continue
                 path = self.site_packages / row[0]
-                data = path.read_bytes() if path.exists() else b""
-                if hashlib.sha256(data).hexdigest() != parse_record_hash(row[1]):
+                digest = file_sha256(path, path.stat()) if path.exists() else hashlib.sha256(b"").hexdigest()
+                if digest != parse_record_hash(row[1]):
                     bad.append(row[0])
         return bad
 
@@ -143,6 +143,15 @@ def snapshot(env: ServingEnv, *extra: Path) -> dict[str, tuple]:
 SHARED_HASHES: dict[tuple[int, int], str | None] = {}
 
 
+def file_sha256(path: Path, info: os.stat_result) -> str:
+    """The sha256 of the file ``info`` describes (once per run for one in SHARED_HASHES)."""
+    key = (info.st_dev, info.st_ino)
+    digest = SHARED_HASHES.get(key) or hashlib.sha256(path.read_bytes()).hexdigest()
+    if key in SHARED_HASHES:
+        SHARED_HASHES[key] = digest
+    return digest
+
+
 def tree_snapshot(*bases: Path) -> dict[str, tuple]:
     """:func:`snapshot` of any directories."""
     found = {}
@@ -156,11 +165,7 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
             if path.is_symlink():
                 what = ("link", os.readlink(path))
             elif path.is_file():
-                key = (info.st_dev, info.st_ino)
-                digest = SHARED_HASHES.get(key) or hashlib.sha256(path.read_bytes()).hexdigest()
-                if key in SHARED_HASHES:
-                    SHARED_HASHES[key] = digest
-                what = ("file", digest)
+                what = ("file", file_sha256(path, info))
             else:
                 what = ("dir",)
             found[str(path)] = (*what, info.st_mode, info.st_uid, info.st_gid)
