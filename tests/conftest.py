@@ -62,19 +62,17 @@ def pristine_template(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> Path:
     return root
 
 
+def _inode(path: str) -> tuple:
+    info = os.lstat(path)
+    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
+
+
 # What a test's environment copies from the template byte for byte (a file of its own): the
 # files any patch set names and each distribution's metadata (what sm120patch and the tests
 # write, chmod or replace in place), and everything outside site-packages. Every other file
 # (thousands of them: most of each package) is a hard link to the template's, which makes the
 # copy about four times faster; sm120patch replaces a file by a rename, never in place, so a
 # link is never written through by it, and a test that writes one in place fails (below).
-
-
-def _inode(path: str) -> tuple:
-    info = os.lstat(path)
-    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
-
-
 @pytest.fixture(scope="session")
 def _template_links(pristine_template) -> dict[str, tuple]:
     """Each file a test's environment links to, and its size, mtime, mode and owner."""
@@ -92,7 +90,10 @@ def serving_env(pristine_template, _template_links, tmp_path) -> ServingEnv:
     root = tmp_path / "venv"
 
     def link_or_copy(source: str, target: str) -> None:
-        os.link(source, target) if source in _template_links else shutil.copy2(source, target)
+        if source in _template_links:
+            os.link(source, target)
+        else:
+            shutil.copy2(source, target)
 
     shutil.copytree(pristine_template, root, symlinks=True, copy_function=link_or_copy)
     # The venv's own paths (pyvenv.cfg, scripts) still name the template; sm120patch asks the
