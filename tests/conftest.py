@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, fingerprint, make_venv, need
+from helpers import (
+    FLASHINFER_VERSION, SGLANG_VERSION, SHARED_HASHES, ServingEnv, Session, fingerprint, make_venv, need,
+)
+from sm120patch.distributions import load_registry
 from sm120patch.wheels import default_cache, fetch_wheel
 
 # Resolved once, from the real environment, before any test moves HOME.
@@ -59,15 +62,48 @@ def pristine_template(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> Path:
     return root
 
 
+def _inode(path: str) -> tuple:
+    info = os.lstat(path)
+    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
+
+
+# What a test's environment copies from the template byte for byte (a file of its own): the
+# files any patch set names and each distribution's metadata (what sm120patch and the tests
+# write, chmod or replace in place), and everything outside site-packages. Every other file
+# (thousands of them: most of each package) is a hard link to the template's, which makes the
+# copy about four times faster; sm120patch replaces a file by a rename, never in place, so a
+# link is never written through by it, and a test that writes one in place fails (below).
+@pytest.fixture(scope="session")
+def _template_links(pristine_template) -> dict[str, tuple]:
+    """Each file a test's environment links to, and its size, mtime, mode and owner."""
+    site = next((pristine_template / "lib").glob("python3*/site-packages"))
+    patched = {relpath for patch_set in load_registry().patch_sets for relpath in patch_set.files}
+    links = {str(path): _inode(str(path)) for path in site.rglob("*")
+             if path.is_file() and not path.is_symlink() and not path.relative_to(site).parts[0].endswith(".dist-info")
+             and path.relative_to(site).as_posix() not in patched}
+    SHARED_HASHES.update({(info.st_dev, info.st_ino): None for info in map(os.lstat, links)})
+    return links
+
+
 @pytest.fixture
-def serving_env(pristine_template, tmp_path) -> ServingEnv:
+def serving_env(pristine_template, _template_links, tmp_path) -> ServingEnv:
     root = tmp_path / "venv"
-    shutil.copytree(pristine_template, root, symlinks=True)
+
+    def link_or_copy(source: str, target: str) -> None:
+        if source in _template_links:
+            os.link(source, target)
+        else:
+            shutil.copy2(source, target)
+
+    shutil.copytree(pristine_template, root, symlinks=True, copy_function=link_or_copy)
     # The venv's own paths (pyvenv.cfg, scripts) still name the template; sm120patch asks the
     # interpreter, which reports the copy's prefix, so this is a faithful separate environment.
     home = tmp_path / "home"
     home.mkdir()
-    return ServingEnv(root, home)
+    yield ServingEnv(root, home)
+    written = sorted(path for path, was in _template_links.items() if _inode(path) != was)
+    assert not written, (f"a file linked from the template was written in place (it changed for every later test): "
+                         f"{written[:5]}; add it to the files conftest.py copies")
 
 
 @pytest.fixture

@@ -109,8 +109,8 @@ class ServingEnv:
                 if not row or not row[1]:
                     continue
                 path = self.site_packages / row[0]
-                data = path.read_bytes() if path.exists() else b""
-                if hashlib.sha256(data).hexdigest() != parse_record_hash(row[1]):
+                digest = file_sha256(path, path.stat()) if path.exists() else hashlib.sha256(b"").hexdigest()
+                if digest != parse_record_hash(row[1]):
                     bad.append(row[0])
         return bad
 
@@ -137,6 +137,21 @@ def snapshot(env: ServingEnv, *extra: Path) -> dict[str, tuple]:
     return tree_snapshot(env.root, env.home, *extra)
 
 
+# The sha256 of each file that test environments share with the real-wheel template by a hard
+# link (conftest.py's serving_env), by (device, inode), hashed once per run: conftest.py fails
+# a test that writes one of them in place, so the bytes cannot change under this cache.
+SHARED_HASHES: dict[tuple[int, int], str | None] = {}
+
+
+def file_sha256(path: Path, info: os.stat_result) -> str:
+    """The sha256 of the file ``info`` describes (once per run for one in SHARED_HASHES)."""
+    key = (info.st_dev, info.st_ino)
+    digest = SHARED_HASHES.get(key) or hashlib.sha256(path.read_bytes()).hexdigest()
+    if key in SHARED_HASHES:
+        SHARED_HASHES[key] = digest
+    return digest
+
+
 def tree_snapshot(*bases: Path) -> dict[str, tuple]:
     """:func:`snapshot` of any directories."""
     found = {}
@@ -150,7 +165,7 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
             if path.is_symlink():
                 what = ("link", os.readlink(path))
             elif path.is_file():
-                what = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+                what = ("file", file_sha256(path, info))
             else:
                 what = ("dir",)
             found[str(path)] = (*what, info.st_mode, info.st_uid, info.st_gid)
@@ -160,8 +175,13 @@ def tree_snapshot(*bases: Path) -> dict[str, tuple]:
 def fingerprint(env: ServingEnv) -> dict[str, tuple]:
     """What any write changes (inode, mode, size, modification time) for every path of ``env``
     and its JIT cache base, without reading the files: cheap enough to take around every test."""
+    return tree_fingerprint(env.root, env.home)
+
+
+def tree_fingerprint(*bases: Path) -> dict[str, tuple]:
+    """:func:`fingerprint` of any directories (the wheel cache: gigabytes, never read)."""
     found = {}
-    for base in (env.root, env.home):
+    for base in bases:
         for path in [base, *base.rglob("*")]:
             if "__pycache__" not in path.parts:
                 info = path.lstat()
