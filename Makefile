@@ -25,7 +25,7 @@ test: install
 # The tests that need no real wheel, no torch, no download: the pipeline on a synthetic
 # distribution, the CLI, parsers, rewriters (under a minute, on every core).
 check: install
-	$(BIN)/python -m pytest -m "not wheels" -n auto
+	$(BIN)/python -m pytest -m "not wheels and not waits" -n auto
 
 # Every pinned release of every distribution, from its real wheel (CI's `make test` takes one vLLM
 # release per file layout: their wheels are ~400 MB each; this downloads all 34, ~13 GB).

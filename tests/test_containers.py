@@ -88,6 +88,7 @@ def test_the_wrapper_and_launcher_are_valid_shell_and_python():
     compile((CONTAINER / "sm120patch-launcher.in").read_text().replace("@HOME@", "/opt/x"), "launcher", "exec")
 
 
+@pytest.mark.waits  # 13 s: past sm120patch's own 10 s lock wait, the bound the wrapper raises
 def test_the_wrapper_waits_for_a_sibling_replicas_apply_then_starts(toy, tmp_path):
     """Two replicas on one shared site-packages: one is applying (it holds the install lock, here
     for 13 s, past sm120patch's own 10 s), the other's wrapper starts meanwhile. It waits for the
