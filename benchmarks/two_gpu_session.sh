@@ -7,7 +7,8 @@
 # Two serving environments, pristine and patched through `sm120patch apply`, each with its own
 # FlashInfer JIT cache; FlashInfer builds trtllm_comm and norm for sm_90a in both, in parallel.
 # Then: 1. exactness (every shape, bf16 and fp16, one-shot and two-shot, pristine vs patched),
-# 2. the lamport-stride demonstration, 3. `sm120patch bench` timing and its refusals.
+# 2. the lamport-stride demonstration, 3. `sm120patch bench` timing and its refusals, 4. `bench --tune`
+# writing a real profile.
 set -u
 # NVLink multicast stays off (the lent machine's rule; also what a PCIe box has anyway).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -78,6 +79,10 @@ step sm120patch bench --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-
 step sm120patch bench --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-patched --tp 4
 step sm120patch bench --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-patched --tp 3
 CUDA_VISIBLE_DEVICES=0 step sm120patch bench --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-patched
+
+echo; echo "# 4. bench --tune: a real profile (issue #52), NCCL and CUDA graphs, one GPU per rank"
+step sm120patch bench --python /tmp/patched/bin/python --jit-cache-base /tmp/ws-patched --tune --tp 2 --hidden 4096 \
+    --profile "$OUT/tuned-limits.json"
 }
 
 main 2>&1 | tee "$OUT/session.log"
