@@ -51,14 +51,23 @@ def _example_lines(example: str) -> list[str]:
     return lines + [part + " \\" for part in parts[:-1]] + parts[-1:]
 
 
-def epilog(examples: list[str], codes: list[tuple[int, str]]) -> str:
+class Epilog(str):
+    """A command's --help epilog that keeps the exit codes it lists: :class:`Command` reads its
+    130 line, so what an interrupt says is what the help promised."""
+
+    codes: tuple[tuple[int, str], ...] = ()
+
+
+def epilog(examples: list[str], codes: list[tuple[int, str]]) -> Epilog:
     """A command's examples and its own exit codes, in the layout `--help` keeps (\\b), each line
     within :data:`HELP_WIDTH`."""
     lines = ["\b", "Examples:"] + [line for e in examples for line in _example_lines(e)] + ["", "\b", "Exit codes:"]
     lines += [line for code, text in codes
               for line in textwrap.wrap(text, width=HELP_WIDTH, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6,
                                         break_long_words=False, break_on_hyphens=False)]
-    return "\n".join(lines)
+    text = Epilog("\n".join(lines))
+    text.codes = tuple(codes)
+    return text
 
 
 USAGE = (2, "bad input: an option, --python, a version selector, patch data")
@@ -138,6 +147,8 @@ class Command(click.Command):
                                         help="Print errors only (as `sm120patch -q`): the exit code says the outcome."))
 
     def invoke(self, ctx: click.Context):
+        # A command whose --help says an interrupt changes nothing (it only reads) says so when interrupted.
+        signals.STATE.reading = INTERRUPTED_READING in getattr(self.epilog, "codes", ())
         try:
             return super().invoke(ctx)
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
@@ -376,7 +387,6 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
     """Show each distribution's version, pinned patch set and the state of every patch (who made
     it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
     and an interrupted run. With --source: which patches a git checkout's HEAD has."""
-    signals.STATE.reading = True
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
@@ -498,7 +508,6 @@ def diff(with_ids, python, source, force, **selectors):
     or the checkout's root: `patch -p1` and `git apply` accept it there. Changes nothing."""
     from sm120patch import changes, render
 
-    signals.STATE.reading = True
     report = changes.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
     return show(report, False, render.render_diff, note=render.diff_note, nl=False)
 
@@ -524,7 +533,6 @@ def verify(python, runtime, compile_, build, jit_cache_base, as_json):
     from sm120patch import pipeline, render, verify as checks
     from sm120patch.progress import line_progress
 
-    signals.STATE.reading = True
     report = checks.verify(pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)),
                            runtime=runtime, compile_=compile_, build=build, progress=line_progress(quiet=as_json))
     return show(report, as_json, render.render_verify, render.verify_json)
@@ -541,7 +549,6 @@ def doctor(python, jit_cache_base, as_json):
     version pins, upstream fixes, whether SGLang turns fusion on by itself."""
     from sm120patch import doctor as checks, pipeline, render
 
-    signals.STATE.reading = True
     report = checks.doctor(lambda device: pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base),
                                                           device=device))
     return show(report, as_json, render.render_doctor, render.doctor_json)
@@ -608,7 +615,6 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
     from sm120patch.bench import profile
     from sm120patch.progress import BenchProgress
 
-    signals.STATE.reading = True  # the profile is written last, atomically: an interrupt leaves none
     given = {name for name in ("hidden", "dtype", "model", "profile_path", "repeats", "check_only", "strategy")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     if not tune and given & {"model", "profile_path", "repeats"}:
@@ -684,7 +690,6 @@ def check_log(log, server, server_version, python, follow, new_run, timeout, as_
     patches/<server>/logs.toml."""
     from sm120patch import logcheck, render
 
-    signals.STATE.reading = True
     report = logcheck.check_log(logcheck.CheckLogRequest(log, server, server_version, python, follow, timeout,
                                                          new_run))
     return show(report, as_json, render.render_log_check, render.log_check_json)
@@ -715,7 +720,6 @@ def list_(python, as_json):
     from sm120patch import distributions, environment, render
     from sm120patch.reports import ListReport
 
-    signals.STATE.reading = True
     registry = distributions.load_registry(full=False)
     installed = target = None
     if python:
