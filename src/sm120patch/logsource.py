@@ -193,13 +193,14 @@ def open_lines(source: str, *, follow: bool, deadline: float | None, mark_start:
         return _stdin(deadline)
     path = Path(source)
     try:
-        mode = os.stat(path).st_mode
+        info = os.stat(path)
     except FileNotFoundError:
         if follow:
             return iter(Follower(path))
         raise UsageError(f"no such file: {source}", hint="--follow waits for a log that does not exist yet") from None
     except OSError as exc:
         raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
+    mode = info.st_mode
     if stat.S_ISDIR(mode):
         raise UsageError(f"{source} is a directory, not a log file")
     _refuse_device(mode, source)
@@ -210,7 +211,7 @@ def open_lines(source: str, *, follow: bool, deadline: float | None, mark_start:
             raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
         return _pipe(fd, source, deadline)
     if follow:
-        return iter(Follower(path, until=os.stat(path).st_size if mark_start else None))
+        return iter(Follower(path, until=info.st_size if mark_start else None))
     try:
         handle = open(path, "rb")  # noqa: SIM115 - closed when the generator is
     except OSError as exc:
