@@ -93,6 +93,14 @@ class FusionFlag(NamedTuple):
     flag: str
 
 
+def _pair_matches(versions: SpecifierSet, with_: SpecifierSet, version: Version | None,
+                  with_version: Version | None) -> bool:
+    """A row for a server's releases ``versions`` with a kernel-library release in ``with_``:
+    both releases known, and both in range."""
+    return (version is not None and with_version is not None and versions.contains(version, prereleases=True)
+            and with_.contains(with_version, prereleases=True))
+
+
 class FusionPath(NamedTuple):
     """How the server creates FlashInfer's fusion workspace for the releases ``versions`` (with a
     release of the distribution's ``fusion_with`` in ``with_``), and what it does on a GPU
@@ -129,9 +137,7 @@ class PcieIpcPath(NamedTuple):
     rows: int
 
     def matches(self, version: Version | None, with_version: Version | None) -> bool:
-        return (version is not None and with_version is not None
-                and self.versions.contains(version, prereleases=True)
-                and self.with_.contains(with_version, prereleases=True))
+        return _pair_matches(self.versions, self.with_, version, with_version)
 
 
 class AutoEnable(NamedTuple):
@@ -171,9 +177,7 @@ class KernelPath(NamedTuple):
     launch_without: str = ""  # what a launch without ``launch`` does, in words
 
     def matches(self, version: Version | None, with_version: Version | None) -> bool:
-        return (version is not None and with_version is not None
-                and self.versions.contains(version, prereleases=True)
-                and self.with_.contains(with_version, prereleases=True))
+        return _pair_matches(self.versions, self.with_, version, with_version)
 
 
 class CheckoutLayout(NamedTuple):
