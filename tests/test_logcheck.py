@@ -521,13 +521,15 @@ def test_follow_times_out_while_starting_with_exit_5(tmp_path):
     assert result.exit_code == 5 and "still starting" in result.output and "timeout passed" in result.output
 
 
-def test_new_run_gives_the_restarted_servers_verdict_not_the_run_before(tmp_path):
+@pytest.mark.parametrize("collector", ["plain", "journal-short", "kubectl"])
+def test_new_run_gives_the_restarted_servers_verdict_not_the_run_before(tmp_path, collector):
     """A log kept across restarts ends with the run before the restart (fused here) until the
     restarted server's first line comes: --follow answers with that old run at once; --new-run
-    waits for the run that begins after it started and gives that run's verdict (fell back)."""
+    waits for the run that begins after it started and gives that run's verdict (fell back),
+    whatever collector wrote the lines."""
     version = "0.5.9"
     log = tmp_path / "sglang.log"
-    log.write_text(sglang_run(version, "fused"))
+    log.write_text(collected(collector, sglang_run(version, "fused")))
     args = ("--json", "--server", "sglang", "--version", version)
     old = run_cli("check-log", str(log), "--follow", "--timeout", "30", *args)
     assert old.exit_code == 0 and json.loads(old.output)["verdict"] == "fused"
@@ -535,7 +537,7 @@ def test_new_run_gives_the_restarted_servers_verdict_not_the_run_before(tmp_path
     def restart():
         time.sleep(1.5)  # the restarted server's first line comes after check-log has read the file
         with log.open("a") as f:
-            f.write(sglang_run(version, "fell-back"))
+            f.write(collected(collector, sglang_run(version, "fell-back")))
 
     writer = threading.Thread(target=restart)
     writer.start()
