@@ -224,17 +224,35 @@ NOT_FOR_STATUS = ("sm120patch.transaction", "sm120patch.write", "sm120patch.plan
                   "sm120patch.bench", "sm120patch.doctor", "sm120patch.driver", "libcst", "shutil", "ctypes")
 
 
-def test_status_imports_nothing_only_the_other_commands_need(toy):
-    """Wrapping and colour included: status's imports hold none of the writers' modules."""
+def _loaded(toy, *argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """A command against the toy environment in a process of its own, and the modules it loaded."""
     code = ("import sys\nfrom sm120patch.cli import cli\ntry:\n    cli(sys.argv[1:], prog_name='sm120patch')\n"
             "except SystemExit:\n    pass\nprint(' '.join(sorted(sys.modules)), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code, argv[0], "--python", str(toy.venv / "bin" / "python"),
+                           "--jit-cache-base", str(toy.home), *argv[1:]], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    return proc, set(proc.stderr.split())
+
+
+def test_status_imports_nothing_only_the_other_commands_need(toy):
+    """Wrapping and colour included: status's imports hold none of the writers' modules."""
     for extra in ([], ["--brief"], ["--json"]):
-        proc = subprocess.run([sys.executable, "-c", code, "status", "--python", str(toy.venv / "bin" / "python"),
-                               "--jit-cache-base", str(toy.home), *extra], capture_output=True, text=True,
-                              env={**os.environ, "COLUMNS": "80"}, timeout=120)
-        loaded = set(proc.stderr.split())
+        proc, loaded = _loaded(toy, "status", *extra)
         assert "sm120patch.render" in loaded and "toyfuse" in proc.stdout, proc.stdout + proc.stderr
         assert sorted(loaded & set(NOT_FOR_STATUS)) == [], extra
+
+
+def test_revert_reads_only_the_installed_releases_sets_and_runs_no_rewriter(toy):
+    """Revert puts saved bytes back: it neither checks every patch set of every distribution nor
+    imports libcst (a third of a small revert's time went to both), and apply makes only the
+    rewriters its own edits run."""
+    before = toy.snapshot()
+    proc, loaded = _loaded(toy, "apply")
+    assert proc.returncode == 0 and toy.snapshot() != before, proc.stdout + proc.stderr
+    assert "libcst" in loaded  # the toy's edits are python.* ones
+    proc, loaded = _loaded(toy, "revert")
+    assert proc.returncode == 0 and toy.snapshot() == before, proc.stdout + proc.stderr
+    assert "libcst" not in loaded
 
 
 def test_doctor_without_the_driver_does_not_say_it_will_fuse_here(sm120patch):

@@ -453,8 +453,8 @@ def specifier(value: object, where: str) -> SpecifierSet:
 
 def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     """``full``: read and check every patch set now (each rewriter constructed; pins across
-    sets and the patch ids advice names: :meth:`PatchSets.all`). Without it (``status``) a set
-    is read when first needed, and its rewriters are not constructed (status never runs one)."""
+    sets and the patch ids advice names: :meth:`PatchSets.all`). Without it (the commands) a set
+    is read when first needed, and its rewriters are constructed only when an edit runs them."""
     where = f"{directory.name}/distribution.toml"
     doc = read_toml(directory / "distribution.toml", where)
     for key in ("name", "option", "summary"):
@@ -625,7 +625,9 @@ def selectors(directory: Path | None = None) -> list[tuple[str, str]]:
 
 def load_registry(directory: Path | None = None, *, full: bool = True) -> Registry:
     """Every distribution under ``patches/`` (or ``directory``), in name order. ``full=False``
-    is what ``status`` reads: each patch set when first needed (see :func:`parse_distribution`)."""
+    is what the commands read: each patch set when first needed, its rewriters made when they
+    run (see :func:`parse_distribution`); ``full`` checks all of the data at once (the tests and
+    ``manifest build``/``add``, which write it)."""
     directory = directory or data_dir("patches")
     found = sorted(p.parent for p in directory.glob("*/distribution.toml"))
     if not found:

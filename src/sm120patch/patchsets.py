@@ -169,7 +169,7 @@ def _edits(raw: Mapping, where: str, check_rewriters: bool) -> tuple[Edit, ...]:
 def parse_patch_set(path: Path, distribution: str, *, check_rewriters: bool = True) -> PatchSet:
     """Read and validate one patch-set file of ``distribution``. With ``check_rewriters`` (the
     default) each edit's rewriter is constructed, which validates its name and parameters;
-    ``status`` skips that to stay fast (it never runs a rewriter)."""
+    the commands skip that (an edit's rewriter is constructed when it runs, before any write)."""
     where = f"{distribution}/{path.name}"
     doc = read_toml(path, where)
     patches = []
