@@ -276,10 +276,18 @@ def test_verify_compile_builds_a_checkouts_header_from_its_own_layout(tmp_path, 
 
     def lamport_check():
         tree = open_checkout(repo.working_tree_dir, load_registry())
-        results = verify.compile_checks(TreeStatus(assess(tree, tree.distribution)))
+        compiled.clear()
+        results = verify.compile_checks(TreeStatus(assess(tree, tree.distribution)), progress=compiled.append)
         return {r.subject: r for r in results}
 
+    compiled: list[str] = []
     before = lamport_check()["sm_120a lamport kernel PTX"]
     assert before.ok is False and "compiled out" in before.detail
+    # The release's header: nothing to compare the other architectures' PTX with, so none is compiled.
+    assert [line.split(" PTX")[0] for line in compiled if line.startswith("compiling")] == ["compiling sm_120a"]
     assert run_cli("apply", "--source", repo.working_tree_dir).exit_code == ExitCode.OK
-    assert lamport_check()["sm_120a lamport kernel PTX"].ok is True
+    after = lamport_check()
+    assert after["sm_120a lamport kernel PTX"].ok is True
+    # A checkout keeps no original (the release is the commit before sm120patch's): nothing to compare with.
+    assert after["sm_90a PTX unchanged"].ok is None and after["sm_90a PTX unchanged"].detail == "no saved original to compare with"
+    assert [line.split(" PTX")[0] for line in compiled if line.startswith("compiling")] == ["compiling sm_120a"]

@@ -4,6 +4,7 @@ interpreter) and compile (nvcc PTX) checks, failing before apply and passing aft
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def test_runtime_and_compile_verify_fail_before_apply_and_pass_after(runtime_env
     runtime = next(c for (kind, _), c in found.items() if kind == "runtime" and "gen_trtllm_comm_module" in c["subject"])
     assert runtime["ok"] is False
     assert "No supported CUDA architectures found for major versions [9, 10]" in runtime["detail"]
-    assert found[("compile", "sm_120a lamport kernel PTX")]["ok"] is False
+    lamport = found[("compile", "sm_120a lamport kernel PTX")]
+    assert lamport["ok"] is False and lamport["detail"] == "0 griddepcontrol instructions: the kernel body is compiled out"
     # sglang's dependencies are absent here: its import is skipped, says why, and is informative only.
     assert found[("runtime", "import sglang.srt.layers.communicator")]["ok"] is None
 
@@ -98,6 +100,10 @@ def test_runtime_and_compile_verify_fail_before_apply_and_pass_after(runtime_env
         found = checks(after)
         runtime = next(c for (kind, _), c in found.items() if kind == "runtime" and "gen_trtllm_comm_module" in c["subject"])
         assert "-gencode=arch=compute_120a,code=sm_120a" in runtime["detail"]
+        # The whole body: as many PDL instructions as the sm_90a kernel, which was never gated.
+        counts = re.fullmatch(r"(\d+) griddepcontrol instructions \(sm_90a: (\d+)\)",
+                              found[("compile", "sm_120a lamport kernel PTX")]["detail"])
+        assert counts and counts[1] == counts[2] != "0", found[("compile", "sm_120a lamport kernel PTX")]
         assert found[("compile", "sm_90a PTX unchanged")]["detail"] == "byte-identical to the release header's PTX"
         assert found[("compile", "sm_100a PTX unchanged")]["ok"] is True
         # FlashInfer's comm package needs the CUDA runtime loaded (no GPU here): the import of
