@@ -178,10 +178,14 @@ NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py"
 # at a time; every other file stays on one worker (its module fixtures are made once).
 RUNTIME_FILES = ("test_bench.py", "test_build.py", "test_fusion_paths.py", "test_tuned_limits.py", "test_verify.py")
 SPREAD_FILES = ("test_fault_injection.py",)
-# The longest work first, so that neither worker is left with minutes of it at the end while the
-# other idles: the container test's image build (minutes of nvcc), the sweeps (each most of a
-# minute), the runtime environment's files; every other file after them, in collection order.
-FIRST = ("test_containers.py", *SPREAD_FILES, *RUNTIME_FILES)
+# The longest work first, so that what is handed out last is short and neither worker is left
+# with minutes of it at the end while the other idles: the container test's image build (minutes
+# of nvcc), the matrix's installs, the runtime environment's files, then each file of more than
+# about half a minute (seconds of test time in docs/benchmarks.md, longest first); every other
+# file after them, in collection order.
+FIRST = ("test_containers.py", "test_matrix.py", *RUNTIME_FILES, "test_vllm.py", "test_releases.py",
+         "test_logcheck.py", "test_ansible.py", "test_source.py", "test_situations.py", *SPREAD_FILES,
+         "test_reliability_four.py", "test_hints.py", "test_manifests.py")
 
 
 def pytest_collection_modifyitems(config, items):

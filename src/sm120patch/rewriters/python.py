@@ -4,6 +4,7 @@ formatting they do not need to touch."""
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 
 import libcst as cst
@@ -13,6 +14,11 @@ from sm120patch.rewriters.base import AlreadyApplied, Changed, NoMatch, RewriteR
 from sm120patch.words import counted
 
 _EMPTY = cst.Module(body=[])
+
+# libcst's trees are immutable, so one parse of a text serves every rewriter that reads those
+# bytes: `manifest build` and `manifest add` run edits on the same release bytes once per
+# combination of patches and per candidate set (parsing a large module takes ~0.1 s).
+_parse_module = functools.lru_cache(maxsize=4)(cst.parse_module)
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -98,7 +104,7 @@ class LibcstRewriter(Rewriter):
         if isinstance(text, NoMatch):
             return text
         try:
-            module = cst.parse_module(text)
+            module = _parse_module(text)
         except cst.ParserSyntaxError as exc:
             return NoMatch(f"file does not parse as Python ({exc.message}, line {exc.raw_line})")
         transformer = self.transformer()
