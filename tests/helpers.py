@@ -102,7 +102,8 @@ def _installed(python: str, wheels: list[Path]) -> Path:
     with open(base / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not template.exists():
-            partial = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
+            # venv makes the directory itself (mkdtemp's is 0700, which the copies would keep).
+            partial = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base)) / "venv"
             subprocess.run([python, "-m", "venv", "--without-pip", str(partial)], check=True)
             subprocess.run([sys.executable, "-m", "pip", "--python", str(partial / "bin" / "python"), "install",
                             "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
