@@ -8,14 +8,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from helpers import (
-    FLASHINFER_VERSION, SGLANG_VERSION, SHARED_HASHES, ServingEnv, Session, fingerprint, make_venv, need,
+    FLASHINFER_VERSION, SGLANG_VERSION, TEMPLATES_VAR, ServingEnv, Session, fingerprint, make_venv, need,
+    written_links,
 )
-from sm120patch.distributions import load_registry
 from sm120patch.wheels import default_cache, fetch_wheel
 
 # Resolved once, from the real environment, before any test moves HOME.
@@ -23,6 +24,18 @@ os.environ.setdefault("SM120PATCH_WHEEL_CACHE", str(default_cache()))
 REAL_HOME = Path.home()
 # What a test run may add to the real $HOME: the caches of the real wheels and of pip.
 HOME_ALLOWED = {".cache", ".cache/sm120patch", ".cache/pip"}
+
+
+def pytest_configure(config):
+    # The run's directory of make_venv's installs: made by the controller (or the one process
+    # without pytest-xdist) before the workers start, which inherit the variable.
+    if not hasattr(config, "workerinput"):
+        os.environ[TEMPLATES_VAR] = tempfile.mkdtemp(prefix="sm120patch-test-venvs-")
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(TEMPLATES_VAR), ignore_errors=True)
 
 
 def _home_entries() -> set[str]:
@@ -57,53 +70,31 @@ def sglang_wheel(wheel_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def pristine_template(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> Path:
+    """One copy per worker of the run's FlashInfer 0.6.4 and SGLang 0.5.9 install, for
+    read_only_env (which checks it around every test)."""
     root = tmp_path_factory.mktemp("template") / "venv"
     make_venv(root, [flashinfer_wheel, sglang_wheel])
     return root
 
 
-def _inode(path: str) -> tuple:
-    info = os.lstat(path)
-    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
-
-
-# What a test's environment copies from the template byte for byte (a file of its own): the
-# files any patch set names and each distribution's metadata (what sm120patch and the tests
-# write, chmod or replace in place), and everything outside site-packages. Every other file
-# (thousands of them: most of each package) is a hard link to the template's, which makes the
-# copy about four times faster; sm120patch replaces a file by a rename, never in place, so a
-# link is never written through by it, and a test that writes one in place fails (below).
-@pytest.fixture(scope="session")
-def _template_links(pristine_template) -> dict[str, tuple]:
-    """Each file a test's environment links to, and its size, mtime, mode and owner."""
-    site = next((pristine_template / "lib").glob("python3*/site-packages"))
-    patched = {relpath for patch_set in load_registry().patch_sets for relpath in patch_set.files}
-    links = {str(path): _inode(str(path)) for path in site.rglob("*")
-             if path.is_file() and not path.is_symlink() and not path.relative_to(site).parts[0].endswith(".dist-info")
-             and path.relative_to(site).as_posix() not in patched}
-    SHARED_HASHES.update({(info.st_dev, info.st_ino): None for info in map(os.lstat, links)})
-    return links
-
-
 @pytest.fixture
-def serving_env(pristine_template, _template_links, tmp_path) -> ServingEnv:
+def serving_env(flashinfer_wheel, sglang_wheel, tmp_path) -> ServingEnv:
     root = tmp_path / "venv"
-
-    def link_or_copy(source: str, target: str) -> None:
-        if source in _template_links:
-            os.link(source, target)
-        else:
-            shutil.copy2(source, target)
-
-    shutil.copytree(pristine_template, root, symlinks=True, copy_function=link_or_copy)
-    # The venv's own paths (pyvenv.cfg, scripts) still name the template; sm120patch asks the
-    # interpreter, which reports the copy's prefix, so this is a faithful separate environment.
+    make_venv(root, [flashinfer_wheel, sglang_wheel])
     home = tmp_path / "home"
     home.mkdir()
-    yield ServingEnv(root, home)
-    written = sorted(path for path, was in _template_links.items() if _inode(path) != was)
-    assert not written, (f"a file linked from the template was written in place (it changed for every later test): "
-                         f"{written[:5]}; add it to the files conftest.py copies")
+    return ServingEnv(root, home)
+
+
+@pytest.fixture(autouse=True)
+def _links_unwritten():
+    """A test fails if a file its environments share with make_venv's install by a hard link
+    was written in place (that changes it for every later test): checked after its teardown."""
+    yield
+    written = written_links()
+    assert not written, (f"a file linked from a shared install changed in place (size, mtime, mode or owner; it "
+                         f"changed for every later test): {written[:5]}; add it to the files helpers.py copies, "
+                         f"or make that environment with make_venv(..., linked=False)")
 
 
 @pytest.fixture
@@ -155,7 +146,9 @@ def runtime_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
     dependencies it needs, then the real wheels without dependencies): one per test session,
     removed at its end (it is over a gigabyte). Tests that patch it revert before they end."""
     root = tmp_path_factory.mktemp("runtime") / "venv"
-    python = make_venv(root, [flashinfer_wheel, sglang_wheel])
+    # Files of its own, none linked: pip installs into it below and tests patch it for the whole
+    # session, while the check of links runs after the one test that made it.
+    python = make_venv(root, [flashinfer_wheel, sglang_wheel], linked=False)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
                     "--disable-pip-version-check", *RUNTIME_REQUIREMENTS], check=True)
     home = root.parent / "home"

@@ -5,19 +5,25 @@ every scenario test compares before and after."""
 from __future__ import annotations
 
 import csv
+import fcntl
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Collection
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from sm120patch.cli import cli
+from sm120patch.distributions import load_registry
 from sm120patch.environment import parse_record_hash
 from sm120patch.state import InstallState
 
@@ -64,13 +70,99 @@ def record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable) -> Path:
-    """A virtual environment at ``path`` with ``wheels`` installed by pip, without dependencies."""
-    subprocess.run([python, "-m", "venv", "--without-pip", str(path)], check=True)
-    target = path / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(target), "install", "--quiet", "--no-deps",
-                    "--no-compile", "--disable-pip-version-check", *map(str, wheels)], check=True)
-    return target
+# Where make_venv keeps the installs it copies, one per interpreter and wheel set: a directory of
+# this run's, shared by its pytest-xdist workers (conftest.py makes it and removes it at the end).
+TEMPLATES_VAR = "SM120PATCH_TEST_TEMPLATES"
+
+
+def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable, linked: bool = True) -> Path:
+    """A virtual environment at ``path`` with ``wheels`` installed by pip, without dependencies.
+
+    pip runs once per run for each interpreter and wheel set, and each call gets a copy of that
+    install (:func:`_linked_copy`): pip takes about 10 s of CPU for a ~400 MB vLLM wheel, and the
+    suite, CPU-bound on 2 cores, installed the same releases in file after file. ``linked=False``
+    gives every file a copy of its own, for a test that changes the owner of the whole tree."""
+    template = _installed(python, wheels)
+    if linked and template not in LINKS:
+        LINKS[template] = _links(template)
+        SHARED_HASHES.update({(info.st_dev, info.st_ino): None for info in map(os.lstat, LINKS[template])})
+    _HANDED_OUT.add(template)
+    _linked_copy(template, path, LINKS[template] if linked else ())
+    return path / "bin" / "python"
+
+
+def _installed(python: str, wheels: list[Path]) -> Path:
+    """The run's one install of ``wheels`` with ``python``, made by whichever worker asks first
+    (under a lock, in a directory renamed into place when whole): the key is the interpreter,
+    pip's version and each wheel's name and size, in order."""
+    base = Path(os.environ[TEMPLATES_VAR])
+    key = repr((_interpreter(python), metadata.version("pip"), [(w.name, w.stat().st_size) for w in wheels]))
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
+    template = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not template.exists():
+            # venv makes the directory itself (mkdtemp's is 0700, which the copies would keep).
+            partial = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base)) / "venv"
+            subprocess.run([python, "-m", "venv", "--without-pip", str(partial)], check=True)
+            subprocess.run([sys.executable, "-m", "pip", "--python", str(partial / "bin" / "python"), "install",
+                            "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
+                            *map(str, wheels)], check=True)
+            partial.rename(template)
+    return template
+
+
+@functools.cache
+def _interpreter(python: str) -> tuple[str, str]:
+    version = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True,
+                             check=True).stdout
+    return os.path.realpath(python), version.strip()
+
+
+# The files of an install that its copies link to, with each one's size, mtime, mode and owner as
+# linked: a copy's own bytes are the files any patch set names and each distribution's metadata
+# (what sm120patch and the tests write, chmod or replace in place), and everything outside
+# site-packages; every other file (thousands: most of each package) is a hard link, which makes a
+# copy about four times faster than copying. sm120patch replaces a file by a rename, never in
+# place, and pip unlinks a file before it writes one there, so neither writes through a link; a
+# test that does fails at its teardown (conftest.py's _links_unwritten).
+LINKS: dict[Path, dict[str, tuple]] = {}
+_HANDED_OUT: set[Path] = set()  # the installs copied since the last written_links()
+
+
+def _links(template: Path) -> dict[str, tuple]:
+    site = next((template / "lib").glob("python3*/site-packages"))
+    patched = {relpath for patch_set in load_registry().patch_sets for relpath in patch_set.files}
+    return {str(path): _inode(str(path)) for path in site.rglob("*")
+            if path.is_file() and not path.is_symlink() and not path.relative_to(site).parts[0].endswith(".dist-info")
+            and path.relative_to(site).as_posix() not in patched}
+
+
+def _inode(path: str) -> tuple:
+    info = os.lstat(path)
+    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
+
+
+def written_links() -> list[str]:
+    """The linked files of each install copied since the last call whose size, mtime, mode or
+    owner changed since they were first linked: written in place through some test's copy."""
+    checked = [LINKS.get(template, {}) for template in _HANDED_OUT]
+    _HANDED_OUT.clear()
+    return sorted(path for links in checked for path, was in links.items() if _inode(path) != was)
+
+
+def _linked_copy(template: Path, path: Path, links: Collection[str]) -> None:
+    """``path`` made a copy of the environment ``template``, each file in ``links`` a hard link to
+    the template's. The venv's own paths (pyvenv.cfg, scripts) still name the template; sm120patch
+    asks the interpreter, which reports the copy's prefix, so the copy is a separate environment."""
+
+    def link_or_copy(source: str, target: str) -> None:
+        if source in links:
+            os.link(source, target)
+        else:
+            shutil.copy2(source, target)
+
+    shutil.copytree(template, path, symlinks=True, copy_function=link_or_copy)
 
 
 @dataclass
@@ -137,9 +229,9 @@ def snapshot(env: ServingEnv, *extra: Path) -> dict[str, tuple]:
     return tree_snapshot(env.root, env.home, *extra)
 
 
-# The sha256 of each file that test environments share with the real-wheel template by a hard
-# link (conftest.py's serving_env), by (device, inode), hashed once per run: conftest.py fails
-# a test that writes one of them in place, so the bytes cannot change under this cache.
+# The sha256 of each file that test environments share with an install by a hard link
+# (make_venv's copies), by (device, inode), hashed once per run: conftest.py fails a test that
+# writes one of them in place, so the bytes cannot change under this cache.
 SHARED_HASHES: dict[tuple[int, int], str | None] = {}
 
 

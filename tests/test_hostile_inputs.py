@@ -9,13 +9,13 @@ import re
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import (
-    COMM, HEADER, ROOT, ServingEnv, changed, need, one_clear_error, run_as_nobody, sm120patch_argv, snapshot,
+    COMM, HEADER, ROOT, ServingEnv, changed, make_venv, need, one_clear_error, run_as_nobody, sm120patch_argv,
+    snapshot,
 )
 from sm120patch.errors import ExitCode
 
@@ -160,9 +160,7 @@ def test_permission_denied_for_another_users_environment(shared_dir, flashinfer_
     """The environment belongs to root; sm120patch runs as nobody."""
     system_python = shutil.which("python3", path="/usr/bin")
     root = shared_dir / "venv"
-    subprocess.run([system_python, "-m", "venv", "--without-pip", str(root)], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
-                    "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
+    make_venv(root, [flashinfer_wheel], python=system_python)
     (shared_dir / "home").mkdir()
     env = ServingEnv(root, shared_dir / "home")
     env.seed_jit(archs=("120a",), modules=("trtllm_comm",))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FLASHINFER_FILES, need, sm120patch_argv
+from helpers import FLASHINFER_FILES, make_venv, need, sm120patch_argv
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
@@ -156,9 +156,8 @@ def service_env(shared_dir, flashinfer_wheel):
 
     system_python = shutil.which("python3", path="/usr/bin")
     root = shared_dir / "venv"
-    subprocess.run([system_python, "-m", "venv", "--without-pip", str(root)], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
-                    "--no-deps", "--no-compile", "--disable-pip-version-check", str(flashinfer_wheel)], check=True)
+    # Files of its own (linked=False): the tests chown and chmod it.
+    make_venv(root, [flashinfer_wheel], python=system_python, linked=False)
     (shared_dir / "home").mkdir()
     return ServingEnv(root, shared_dir / "home"), system_python
 

@@ -201,7 +201,8 @@ def test_root_on_a_service_users_environment(shared_dir, flashinfer_wheel, sglan
     """Root patches an environment owned by another user: the state it writes belongs to that
     user (who can read it and go on), and the JIT cache base is that user's home."""
     root = shared_dir / "venv"
-    make_venv(root, [flashinfer_wheel, sglang_wheel], python=shutil.which("python3", path="/usr/bin"))
+    # Files of its own (linked=False): chown would change the shared install's files through links.
+    make_venv(root, [flashinfer_wheel, sglang_wheel], python=shutil.which("python3", path="/usr/bin"), linked=False)
     subprocess.run(["chown", "-R", "nobody:nogroup", str(root)], check=True)
     env = ServingEnv(root, shared_dir / "home")
     result = run_cli("apply", "--python", str(env.python))  # no --jit-cache-base: as a user runs it
