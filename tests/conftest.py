@@ -8,13 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import (
-    FLASHINFER_VERSION, SGLANG_VERSION, TEMPLATES_VAR, ServingEnv, Session, fingerprint, make_venv, need,
+    FLASHINFER_VERSION, SGLANG_VERSION, ServingEnv, Session, fingerprint, make_venv, need,
     written_links,
 )
 from sm120patch.wheels import default_cache, fetch_wheel
@@ -26,16 +26,15 @@ REAL_HOME = Path.home()
 HOME_ALLOWED = {".cache", ".cache/sm120patch", ".cache/pip"}
 
 
-def pytest_configure(config):
-    # The run's directory of make_venv's installs: made by the controller (or the one process
-    # without pytest-xdist) before the workers start, which inherit the variable.
-    if not hasattr(config, "workerinput"):
-        os.environ[TEMPLATES_VAR] = tempfile.mkdtemp(prefix="sm120patch-test-venvs-")
-
-
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):
-        shutil.rmtree(os.environ.pop(TEMPLATES_VAR), ignore_errors=True)
+@pytest.fixture(scope="session", autouse=True)
+def _venv_templates(tmp_path_factory):
+    """Where make_venv keeps the run's installs: in the run's own temporary directory, which each
+    pytest-xdist worker's lies in (pytest's recipe for what workers share), so that pytest removes
+    them with it when the run passes and keeps them with the rest when it fails (pyproject.toml's
+    tmp_path_retention_policy)."""
+    base = tmp_path_factory.getbasetemp()
+    helpers.TEMPLATES = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "venv-templates"
+    helpers.TEMPLATES.mkdir(exist_ok=True)
 
 
 def _home_entries() -> set[str]:

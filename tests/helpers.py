@@ -71,8 +71,8 @@ def record_hash(data: bytes) -> str:
 
 
 # Where make_venv keeps the installs it copies, one per interpreter and wheel set: a directory of
-# this run's, shared by its pytest-xdist workers (conftest.py makes it and removes it at the end).
-TEMPLATES_VAR = "SM120PATCH_TEST_TEMPLATES"
+# this run's, shared by its pytest-xdist workers (conftest.py's _venv_templates says which).
+TEMPLATES: Path | None = None
 
 
 def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable, linked: bool = True) -> Path:
@@ -95,7 +95,8 @@ def _installed(python: str, wheels: list[Path]) -> Path:
     """The run's one install of ``wheels`` with ``python``, made by whichever worker asks first
     (under a lock, in a directory renamed into place when whole): the key is the interpreter,
     pip's version and each wheel's name and size, in order."""
-    base = Path(os.environ[TEMPLATES_VAR])
+    base = TEMPLATES
+    assert base is not None, "make_venv runs in a test (conftest.py's _venv_templates says where installs go)"
     key = repr((_interpreter(python), metadata.version("pip"), [(w.name, w.stat().st_size) for w in wheels]))
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
     template = base / name
