@@ -110,6 +110,7 @@ def _installed(python: str, wheels: list[Path]) -> Path:
                             "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
                             *map(str, wheels)], check=True)
             partial.rename(template)
+            partial.parent.rmdir()
     return template
 
 
