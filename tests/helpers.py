@@ -10,6 +10,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,6 @@ def make_venv(path: Path, wheels: list[Path], *, python: str = sys.executable, l
     template = _installed(python, wheels)
     if linked and template not in LINKS:
         LINKS[template] = _links(template)
-        SHARED_HASHES.update({(info.st_dev, info.st_ino): None for info in map(os.lstat, LINKS[template])})
     _HANDED_OUT.add(template)
     _linked_copy(template, path, LINKS[template] if linked else ())
     return path / "bin" / "python"
@@ -133,16 +133,27 @@ _HANDED_OUT: set[Path] = set()  # the installs copied since the last written_lin
 
 
 def _links(template: Path) -> dict[str, tuple]:
+    """The files of ``template`` its copies link to, each also entered in SHARED_HASHES (one
+    lstat of each file for both)."""
     site = next((template / "lib").glob("python3*/site-packages"))
     patched = {relpath for patch_set in load_registry().patch_sets for relpath in patch_set.files}
-    return {str(path): _inode(str(path)) for path in site.rglob("*")
-            if path.is_file() and not path.is_symlink() and not path.relative_to(site).parts[0].endswith(".dist-info")
-            and path.relative_to(site).as_posix() not in patched}
+    links = {}
+    for path in site.rglob("*"):
+        relative, info = path.relative_to(site), path.lstat()
+        if (stat.S_ISREG(info.st_mode) and not relative.parts[0].endswith(".dist-info")
+                and relative.as_posix() not in patched):
+            links[str(path)] = _fields(info)
+            SHARED_HASHES[info.st_dev, info.st_ino] = None
+    return links
+
+
+def _fields(info: os.stat_result) -> tuple:
+    """What a write in place through a link changes: size, mtime, mode, owner."""
+    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
 
 
 def _inode(path: str) -> tuple:
-    info = os.lstat(path)
-    return info.st_size, info.st_mtime_ns, info.st_mode, info.st_uid, info.st_gid
+    return _fields(os.lstat(path))
 
 
 def written_links() -> list[str]:
