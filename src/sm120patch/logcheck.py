@@ -466,9 +466,12 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
     follow = request.follow or request.new_run
     before: int | None = None  # --new-run: the runs the log held once what was there was read
 
+    def runs_read() -> int:
+        return analysis.runs.count if analysis.runs is not None else 0
+
     def current(timed_out: bool = False) -> LogCheckReport:
         """The verdict so far; with --new-run, none until a run begins after the start."""
-        runs = analysis.runs.count if analysis.runs is not None else 0
+        runs = runs_read()
         if before is None or runs > before:
             return finish(timed_out)
         newest = f"run {analysis.runs.run.number}, from line {analysis.runs.run.first_line}" if runs else "none"
@@ -488,7 +491,7 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             if text is None:
                 now = time.monotonic()
                 if not caught_up and request.new_run:
-                    before = analysis.runs.count if analysis.runs is not None else 0
+                    before = runs_read()
                 caught_up = True
                 idle_since = idle_since or now
                 if now - idle_since >= IDLE_CRASH_S:
