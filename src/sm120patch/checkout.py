@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from packaging.version import Version
 
-from sm120patch import __version__
+from sm120patch import __version__, terminal
 from sm120patch.distributions import Distribution, Registry
 from sm120patch.environment import version_or_none
 from sm120patch.errors import RefusedError, TargetError
@@ -250,7 +249,7 @@ def revert_checkout(tree: CheckoutTree) -> Undo:
         return Undo(f"{branch} is gone already; nothing to revert", True)
     if repo.heads[branch].commit.hexsha != note["commit"]:
         raise RefusedError(f"{branch} has commits sm120patch did not make; refusing to delete it",
-                           hint=f"`git checkout {shlex.quote(note['original'])}` and delete the branch yourself when you are done with it")
+                           hint=f"`git checkout {terminal.quote(note['original'])}` and delete the branch yourself when you are done with it")
     refuse_dirty(tree)
     repo.git.checkout(note["original"])
     repo.delete_head(branch, force=True)

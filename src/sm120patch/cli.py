@@ -16,10 +16,11 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 import click
 
-from sm120patch import __version__, signals
+from sm120patch import __version__, signals, terminal
 from sm120patch.errors import ExitCode, Sm120PatchError
 
 
@@ -77,10 +78,7 @@ INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change
 INTERRUPTED_READING = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); nothing of the environment was changed")
 
 
-def one_line(text: str) -> str:
-    """A message as one line: a newline (or another control character) in a value the user gave
-    is shown escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+one_line = terminal.one_line  # a message as one line, every control (a newline too) shown escaped
 
 
 def handle(exc: BaseException) -> int:
@@ -88,7 +86,7 @@ def handle(exc: BaseException) -> int:
     if isinstance(exc, Sm120PatchError):
         click.echo(f"sm120patch: error: {one_line(exc.message)}", err=True)
         if exc.hint_line:
-            click.echo(f"hint: {exc.hint_line}", err=True)
+            click.echo(f"hint: {terminal.visible(exc.hint_line)}", err=True)  # a diff keeps its lines
         return int(exc.exit_code)
     if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `sm120patch` alone: what it is and does
         click.echo(exc.ctx.get_help())
@@ -118,11 +116,11 @@ def handle(exc: BaseException) -> int:
         return signals.exit_code(signum)
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
         where = f" ({exc.filename})" if exc.filename else ""
-        click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
+        click.echo(one_line(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed"), err=True)
         if isinstance(exc, PermissionError) and exc.filename:  # which user to run as, or which mode to change
             from sm120patch.state import permission_hint
 
-            click.echo(f"hint: {permission_hint(Path(str(exc.filename)))}", err=True)
+            click.echo(f"hint: {one_line(permission_hint(Path(str(exc.filename))))}", err=True)
         return int(ExitCode.FAILED)
     raise exc
 
@@ -206,11 +204,14 @@ def _stdout_closed() -> None:
         pass
 
 
-def emit(text: str, *, nl: bool = True) -> None:
+def emit(text: str, *, nl: bool = True, colour: Callable[[str], str] = str) -> None:
+    """``text`` on stdout, every control character in it but newline and tab made visible
+    (terminal.visible): a drifted file's escape sequences in a diff, a path's, never reach the
+    terminal as such; then ``colour``, sm120patch's own (render.coloured)."""
     global _emitted
     if text:
         try:
-            click.echo(text, nl=nl)
+            click.echo(colour(terminal.visible(text)), nl=nl)
         except BrokenPipeError:
             _stdout_closed()
         _emitted = True
@@ -318,7 +319,7 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
     return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
                             dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
                             on_build_step=on_build_step, probe=probe,
-                            on_wait=lambda text: click.echo(f"sm120patch: {text}", err=True))
+                            on_wait=lambda text: click.echo(one_line(f"sm120patch: {text}"), err=True))
 
 
 def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True) -> int:
@@ -329,14 +330,17 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     from sm120patch import progress, render
 
     ctx = click.get_current_context()
-    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour()  # the text is for this stdout
+    # The text is for this stdout: its width; its colours are added last, to text already made
+    # visible (terminal.visible would show sm120patch's own colours as escapes too).
+    render.COLUMNS, render.COLOUR = render.terminal_width(), False
     rendered = (json.dumps(render.json_document(_command_name(ctx), report.exit_code, document(report)), indent=2)
                 if as_json else text(report))
     if as_json or not progress.QUIET:
-        emit(rendered, nl=nl or as_json)
+        render.COLOUR = render.colour() and not as_json
+        emit(rendered, nl=nl or as_json, colour=render.coloured)
         said = note(report, rendered) if note is not None else None
         if said:
-            click.echo(said, err=True)
+            click.echo(terminal.visible(said), err=True)
     for error in report.errors:
         error.invocation = invocation(ctx)
         handle(error)

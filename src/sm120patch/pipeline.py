@@ -11,7 +11,6 @@ happens under the lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import chain, tunedlimits
+from sm120patch import chain, terminal, tunedlimits
 from sm120patch.assess import assess, present_by_meaning
 from sm120patch.checkout import CheckoutTree, open_checkout
 from sm120patch.distributions import ANY, Registry, load_registry
@@ -100,7 +99,7 @@ class Located:
     @property
     def where(self) -> str:
         """:attr:`options`, quoted for a shell."""
-        return shlex.join(word for option in self.options for word in option)
+        return terminal.join(word for option in self.options for word in option)
 
     def command(self, words: str) -> str:
         """An sm120patch command for this same target, that works when copied as printed."""

@@ -6,12 +6,12 @@ dry run)."""
 from __future__ import annotations
 
 import difflib
-import shlex
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
+from sm120patch import terminal
 from sm120patch.assess import Assessment, FileAssessment, State, Origin
 from sm120patch.errors import PatchDataError, RefusedError
 from sm120patch.hashing import sha256
@@ -98,7 +98,7 @@ def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release
 
 def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
     prefix = assessment.tree.words.copy_reinstall
-    uv = shlex.join([*prefix, f"{assessment.name}=={assessment.raw_version}"]) if prefix else ""
+    uv = terminal.join([*prefix, f"{assessment.name}=={assessment.raw_version}"]) if prefix else ""
     state = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(
