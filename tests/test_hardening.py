@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import struct
 import subprocess
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
 
+from helpers import changed, tree_snapshot
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
 from toy import SOURCE, make_install, make_wheel
@@ -62,3 +67,70 @@ def test_escapes_from_a_file_or_a_path_are_shown_never_obeyed(data_dir, tmp_path
     applied = subprocess.run(["bash", "-c", command], capture_output=True, env=env, timeout=120)
     assert applied.returncode == ExitCode.OK, applied.stderr
     assert "[9, 10, 12]" in comm.read_text()
+
+
+# -- item 8: a zip bomb in a wheel -----------------------------------------------------------------
+
+def bomb_wheel(path: Path, files: dict[str, bytes], bomb: str, size: int) -> Path:
+    """A wheel whose member ``bomb`` is ``size`` zero bytes, deflated to about a thousandth of
+    that: written by hand, as one 16 MiB deflate block flushed in full (so it repeats byte for
+    byte) ``size`` / 16 MiB times; the other members stored."""
+    chunk = 1 << 24
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = compressor.compress(bytes(chunk)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    deflated = block * (size // chunk) + compressor.flush()
+    crc = 0
+    for _ in range(size // chunk):
+        crc = zlib.crc32(bytes(chunk), crc)
+    members = [(name, 0, zlib.crc32(data), data, len(data)) for name, data in files.items()]
+    members.append((bomb, zipfile.ZIP_DEFLATED, crc, deflated, size))
+    out, central = bytearray(), bytearray()
+    for name, method, crc, data, usize in members:
+        encoded = name.encode()
+        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 33, crc, len(data), usize,
+                               len(encoded), 0, 0, 0, 0, 0, len(out)) + encoded
+        out += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 33, crc, len(data), usize, len(encoded), 0)
+        out += encoded + data
+    out += central + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central),
+                                 len(out), 0)
+    path.write_bytes(bytes(out))
+    return path
+
+
+def limited_memory(megabytes: int):
+    """A child's address space capped, so that a read of a whole bomb fails there fast (a
+    MemoryError) instead of taking this machine's memory."""
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
+
+
+def test_a_zip_bomb_in_a_wheel_is_refused_in_one_line_without_reading_it(data_dir, tmp_path):  # noqa: F811
+    venv = tmp_path / "env"
+    site = make_install(venv, [make_wheel(tmp_path, "1.0")])
+    (site / "toyfuse" / "comm.py").write_text("# tuned\n" + SOURCE)  # drifted: apply reads the wheel's bytes
+    meta = {"toyfuse-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: toyfuse\nVersion: 1.0\n"}
+    record = b"toyfuse/comm.py,,\ntoyfuse-1.0.dist-info/METADATA,,\ntoyfuse-1.0.dist-info/RECORD,,\n"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    bomb_wheel(wheels / "toyfuse-1.0-py3-none-any.whl", {**meta, "toyfuse-1.0.dist-info/RECORD": record},
+               "toyfuse/comm.py", 1 << 30)
+    # A bomb in the RECORD, the first member any wheel is read for (manifest add, too).
+    meta12 = {"toyfuse-1.2.dist-info/METADATA": meta["toyfuse-1.0.dist-info/METADATA"].replace(b"1.0", b"1.2")}
+    bombed_record = bomb_wheel(tmp_path / "toyfuse-1.2-py3-none-any.whl", meta12, "toyfuse-1.2.dist-info/RECORD",
+                               1 << 30)
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "SM120PATCH_DATA_DIR": str(data_dir), "HOME": str(tmp_path / "home")}
+    before = tree_snapshot(venv, tmp_path / "home", data_dir)
+    target = ["--python", str(venv / "bin" / "python"), "--wheel-dir", str(wheels)]
+    # apply refuses the drifted file (3), its diff against the release left out; revert --force finds
+    # no readable release bytes (3); manifest add names the member and the bound (2).
+    bound = "toyfuse-1.2.dist-info/RECORD inflates to 1,073,741,824 bytes"
+    for argv, code, words in ((["apply", *target], ExitCode.REFUSED, "is not the 1.0 release's bytes"),
+                              (["revert", "--force", *target], ExitCode.REFUSED, "nor in a wheel sm120patch can read"),
+                              (["manifest", "add", "toyfuse", "1.2", "--wheel", str(bombed_record)], ExitCode.USAGE,
+                               bound)):
+        proc = sm120patch(*argv, env=env, preexec_fn=limited_memory(768), text=True)
+        assert proc.returncode == code, (argv, proc.stderr)
+        assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr
+        (said,) = [line for line in proc.stderr.splitlines() if line.startswith("sm120patch: error:")]
+        assert words in said, said
+    assert changed(before, tree_snapshot(venv, tmp_path / "home", data_dir)) == []
