@@ -3,19 +3,21 @@ a user's own files can make sm120patch print or do. Each test failed before its 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
 import struct
 import subprocess
 import sys
+import threading
 import zipfile
 import zlib
 from pathlib import Path
 
 import pytest
 
-from helpers import changed, tree_snapshot
+from helpers import changed, sm120patch_argv, tree_snapshot
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
 from toy import SOURCE, make_install, make_wheel
@@ -134,3 +136,77 @@ def test_a_zip_bomb_in_a_wheel_is_refused_in_one_line_without_reading_it(data_di
         (said,) = [line for line in proc.stderr.splitlines() if line.startswith("sm120patch: error:")]
         assert words in said, said
     assert changed(before, tree_snapshot(venv, tmp_path / "home", data_dir)) == []
+
+
+# -- item 5: readers beside a run ------------------------------------------------------------------
+
+def test_status_beside_apply_and_revert_sees_a_committed_state_every_time(serving_env):
+    """10 `status --json` in a loop each, while apply and revert take turns on a real FlashInfer
+    0.6.4 + SGLang 0.5.9 environment: every reader gets a document, of the state before a run or
+    after it (both distributions patched, or neither: one transaction patches both), never a
+    half state, an interrupted run, a reinstall or an error."""
+    readers, rounds = 10, 3
+    environ = {**os.environ, "SM120PATCH_LOCK_WAIT": "300"}  # a writer waits out the readers, as they wait for it
+    stop, seen = threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            proc = subprocess.run(sm120patch_argv(serving_env, "status", "--json"), capture_output=True, text=True,
+                                  timeout=300, env=environ)
+            seen.append(proc)
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(rounds):
+            for command in ("apply", "revert"):
+                proc = subprocess.run(sm120patch_argv(serving_env, command), capture_output=True, text=True,
+                                      timeout=300, env=environ)
+                assert proc.returncode == ExitCode.OK, proc.stderr
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert len(seen) >= readers * rounds
+    states = set()
+    for proc in seen:
+        document = json.loads(proc.stdout)  # a document, always
+        assert proc.returncode in (ExitCode.OK, ExitCode.NOT_OK) and proc.returncode == document["exit_code"], \
+            (proc.returncode, proc.stderr)
+        found = {(d["state"], bool(d["dropped_by_reinstall"]), d["interrupted_transaction"], d["in_progress"])
+                 for d in document["distributions"]}
+        assert len(found) == 1, found  # flashinfer-python and sglang alike
+        states |= found
+    assert states <= {("patched", False, None, None), ("not patched", False, None, None)}, states
+
+
+# -- item 9: smaller ones --------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="git's ownership check needs a checkout of another user: root chowns it")
+def test_root_on_another_users_checkout_says_what_git_said_and_the_way_out(tmp_path):
+    import git
+
+    root = tmp_path / "sglang"
+    (root / "python" / "sglang").mkdir(parents=True)
+    (root / "python" / "sglang" / "__init__.py").write_text("")
+    repo = git.Repo.init(root, initial_branch="main")
+    repo.git.add(A=True)
+    repo.git.commit("-m", "SGLang v0.5.9", env={"GIT_AUTHOR_NAME": "u", "GIT_AUTHOR_EMAIL": "u@example.org",
+                                                 "GIT_COMMITTER_NAME": "u", "GIT_COMMITTER_EMAIL": "u@example.org"})
+    repo.create_tag("v0.5.9")
+    for path in [tmp_path, root, *root.rglob("*")]:  # a service user's clone (a uid with no passwd entry)
+        os.lchown(path, 4242, 4242)
+    proc = sm120patch("status", "--source", str(root), env={**os.environ, "GIT_CONFIG_GLOBAL": "/dev/null"}, text=True)
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    error, hint = proc.stderr.splitlines()
+    assert "git refuses to read it: detected dubious ownership in repository at" in error, error
+    assert "release tag" not in error
+    assert hint == (f"hint: run sm120patch as uid 4242, who owns it, or trust it for this user: "
+                    f"`git config --global --add safe.directory {root}`")
+    # The way out, taken: the hint's command, then the same status reads the tag.
+    config = tmp_path.parent / "gitconfig"
+    subprocess.run(["git", "config", "--file", str(config), "--add", "safe.directory", str(root)], check=True)
+    trusted = sm120patch("status", "--source", str(root), env={**os.environ, "GIT_CONFIG_GLOBAL": str(config)},
+                         text=True)
+    assert "sglang 0.5.9" in trusted.stdout, trusted.stderr

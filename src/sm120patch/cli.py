@@ -115,14 +115,19 @@ def handle(exc: BaseException) -> int:
                        err=True)
         return signals.exit_code(signum)
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
-        where = f" ({exc.filename})" if exc.filename else ""
-        click.echo(one_line(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed"), err=True)
+        click.echo(one_line(f"sm120patch: error: {_os_error(exc)}"), err=True)
         if isinstance(exc, PermissionError) and exc.filename:  # which user to run as, or which mode to change
             from sm120patch.state import permission_hint
 
             click.echo(f"hint: {one_line(permission_hint(Path(str(exc.filename))))}", err=True)
         return int(ExitCode.FAILED)
     raise exc
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError outside a transaction, as its error line says it (after ``error: ``)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}; nothing was changed"
 
 
 def _command_name(ctx: click.Context) -> str:
@@ -152,11 +157,19 @@ class Command(click.Command):
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
-                from sm120patch.render import json_document
-
-                error = {"error": {"message": exc.message, "hint": exc.hint_line, "exit_code": int(exc.exit_code)}}
-                emit(json.dumps(json_document(_command_name(ctx), exc.exit_code, error), indent=2))
+                _error_document(ctx, exc.message, exc.hint_line, exc.exit_code)
             raise
+        except OSError as exc:  # handle() makes it exit 4 with its one line; --json gets its document too
+            if ctx.params.get("as_json") and not _emitted and not isinstance(exc, BrokenPipeError):
+                _error_document(ctx, _os_error(exc), None, ExitCode.FAILED)
+            raise
+
+
+def _error_document(ctx: click.Context, message: str, hint: str | None, code: int) -> None:
+    from sm120patch.render import json_document
+
+    error = {"error": {"message": message, "hint": hint, "exit_code": int(code)}}
+    emit(json.dumps(json_document(_command_name(ctx), code, error), indent=2))
 
 
 class Group(click.Group):
@@ -379,7 +392,8 @@ def cli(quiet) -> None:
                             (1, "something is not patched, partly patched, or has no patch set; or none of the "
                                 "distributions sm120patch patches is installed there"), USAGE,
                             (3, "a file is not the release's bytes (drift), or an interrupted run"),
-                            (4, "failed to read the environment's state"), INTERRUPTED_READING]))
+                            (4, "failed to read the environment's state, or a run in progress (apply, revert) "
+                                "held it longer than SM120PATCH_LOCK_WAIT (10 s)"), INTERRUPTED_READING]))
 @python_option
 @source_option
 @selector_options

@@ -27,6 +27,7 @@ from sm120patch.errors import NewerFormatError, RefusedError, Sm120PatchError, U
 from sm120patch.installed import InstalledTree
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at
+from sm120patch.locks import read_locks
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.state import orphans, state_root, temporaries
 
@@ -189,6 +190,13 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
     run already found (apply, judging the chain once its change stands: no second probe)."""
     registry = registry or load_registry(full=False)
     located = located or locate(request, registry)
+    # Read under the shared lock of every install location: a run changing one (apply, revert)
+    # is seen before or after, never half done.
+    with read_locks(located.state_dirs, on_wait=request.on_wait):
+        return _status(request, registry, located, device)
+
+
+def _status(request: Request, registry: Registry, located: Located, device) -> StatusReport:
     trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:
