@@ -12,6 +12,8 @@ sm120patch's own note of what it did is ``.git/sm120patch.json``: never part of 
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -142,6 +144,7 @@ def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
     except git.NoSuchPathError:
         raise TargetError(f"--source {path}: no such directory") from None
     root = Path(repo.working_tree_dir)
+    _refuse_untrusted(repo, root)
     for distribution in registry:
         layout = distribution.checkout
         if layout is None or not layout.matches(root):
@@ -158,6 +161,36 @@ def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
         return CheckoutTree(root, distribution, version, repo, pristine)
     names = ", ".join(d.name for d in registry if d.checkout)
     raise TargetError(f"--source {path}: a git checkout, but of none of {names}")
+
+
+def _refuse_untrusted(repo, root: Path) -> None:
+    """git refuses every command in a checkout another user owns (root on a service user's
+    clone: "detected dubious ownership", CVE-2022-24765) unless safe.directory names it; every
+    later git answer (the release tag, the branch) would then be an error read as "none". Said
+    here once, in git's words, with the two ways out."""
+    import git
+
+    try:
+        repo.git.rev_parse("--git-dir")
+    except git.GitCommandError as exc:
+        said = str(exc.stderr or "")
+        if "dubious ownership" not in said:
+            return  # a checkout git reads: what is asked of it next says what is wrong
+        line = next((part.strip() for part in said.replace("'", "").splitlines() if "dubious ownership" in part),
+                    said.strip())
+        line = line.removeprefix("stderr:").strip().removeprefix("fatal:").strip()
+        try:
+            uid = root.stat().st_uid
+        except OSError:
+            uid = None
+        try:
+            name = pwd.getpwuid(uid).pw_name if uid is not None else None
+        except KeyError:  # an owner with no passwd entry: named by number
+            name = f"uid {uid}"
+        owner = f"run sm120patch as {name}, who owns it, or " if name else ""
+        raise TargetError(f"--source {root}: git refuses to read it: {line} (this user, uid {os.geteuid()}, does not "
+                          "own it)", hint=f"{owner}trust it for this user: `git config --global --add safe.directory "
+                          f"{terminal.quote(str(root))}`") from None
 
 
 def _describe(repo) -> str | None:
