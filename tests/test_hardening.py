@@ -3,6 +3,7 @@ a user's own files can make sm120patch print or do. Each test failed before its 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -210,3 +211,20 @@ def test_root_on_another_users_checkout_says_what_git_said_and_the_way_out(tmp_p
     trusted = sm120patch("status", "--source", str(root), env={**os.environ, "GIT_CONFIG_GLOBAL": str(config)},
                          text=True)
     assert "sglang 0.5.9" in trusted.stdout, trusted.stderr
+
+
+def test_status_that_a_run_keeps_waiting_says_a_run_is_in_progress_with_a_document(data_dir, tmp_path):  # noqa: F811
+    site = make_install(tmp_path / "env", [make_wheel(tmp_path, "1.0")])
+    environ = {**os.environ, "SM120PATCH_DATA_DIR": str(data_dir), "HOME": str(tmp_path),
+               "SM120PATCH_LOCK_WAIT": "0.5"}
+    fd = os.open(site, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a run that is changing the environment holds
+        proc = sm120patch("status", "--json", "--python", str(tmp_path / "env" / "bin" / "python"), env=environ,
+                          text=True)
+    finally:
+        os.close(fd)
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["exit_code"] == ExitCode.FAILED
+    assert document["error"]["message"].startswith(f"a run is in progress: another sm120patch is changing {site}")
