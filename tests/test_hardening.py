@@ -17,8 +17,9 @@ import zlib
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
-from helpers import changed, sm120patch_argv, tree_snapshot
+from helpers import changed, run_cli, sm120patch_argv, tree_snapshot
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
 from toy import SOURCE, make_install, make_wheel
@@ -228,3 +229,46 @@ def test_status_that_a_run_keeps_waiting_says_a_run_is_in_progress_with_a_docume
     document = json.loads(proc.stdout)
     assert document["exit_code"] == ExitCode.FAILED
     assert document["error"]["message"].startswith(f"a run is in progress: another sm120patch is changing {site}")
+
+
+def small_sglang_checkout(root: Path, sglang_wheel: Path) -> Path:
+    """An SGLang 0.5.9 checkout (python/sglang/, the v0.5.9 tag) of the files its patch set names
+    alone, from the release's wheel: enough for apply --source to commit there."""
+    import git
+
+    from sm120patch.distributions import load_registry
+
+    names = ["sglang/__init__.py", *load_registry().get("sglang").find(Version("0.5.9")).files]
+    with zipfile.ZipFile(sglang_wheel) as archive:
+        for name in names:
+            (root / "python" / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / "python" / name).write_bytes(archive.read(name))
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Upstream Dev")
+        config.set_value("user", "email", "dev@example.org")
+    repo.git.add(A=True)
+    repo.index.commit("SGLang v0.5.9")
+    repo.create_tag("v0.5.9")
+    return root
+
+
+def test_export_never_replaces_a_users_file_of_the_same_name_unless_forced(tmp_path, sglang_wheel):
+    root = str(small_sglang_checkout(tmp_path / "sglang", sglang_wheel))
+    assert run_cli("apply", "--source", root).exit_code == ExitCode.OK
+    first = run_cli("export", "--source", root, "--out", str(tmp_path / "first"))
+    assert first.exit_code == ExitCode.OK, first.output
+    (made,) = (tmp_path / "first").iterdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / made.name).write_text("my own notes\n")
+    before = tree_snapshot(out)
+    refused = run_cli("export", "--source", root, "--out", str(out))
+    assert refused.exit_code == ExitCode.REFUSED
+    assert f"{out / made.name} exists and is not sm120patch's export of this commit; nothing was written" in refused.output
+    assert f"--force` replaces it" in refused.output
+    assert changed(before, tree_snapshot(out)) == []  # no file replaced, no staging directory left
+    forced = run_cli("export", "--source", root, "--out", str(out), "--force")
+    assert forced.exit_code == ExitCode.OK and (out / made.name).read_bytes() == made.read_bytes()
+    again = run_cli("export", "--source", root, "--out", str(out))  # its own export: replaced, as before
+    assert again.exit_code == ExitCode.OK and sorted(out.iterdir()) == [out / made.name]

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
+import stat
+import tempfile
 import re
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -290,11 +293,51 @@ def revert_checkout(tree: CheckoutTree) -> Undo:
     return Undo(f"back on {note['original']}; deleted {branch}", True)
 
 
-def export(tree: CheckoutTree, out: Path) -> list[Path]:
+def export(tree: CheckoutTree, out: Path, *, force: bool = False) -> list[Path]:
+    """sm120patch's commit as `git format-patch` files in ``out``. A file of the same name there
+    that is not an export of this commit (the user's own) is never replaced unless ``force``:
+    the files are made in a directory of their own inside ``out``, then linked into place, which
+    fails rather than replace a file that appeared meanwhile; nothing is written when one is refused."""
     note = read_note(tree)
     if not note:
         raise RefusedError(f"sm120patch has made no commit in {tree.root}",
                            hint=f"run `{command('apply', ('--source', str(tree.root)))}` first")
     out.mkdir(parents=True, exist_ok=True)
-    names = tree.repo.git.format_patch("-1", note["commit"], "-o", str(out)).splitlines()
-    return [Path(name) for name in names if name.strip()]
+    staging = Path(tempfile.mkdtemp(prefix=".sm120patch-export-", dir=out))
+    try:
+        names = tree.repo.git.format_patch("-1", note["commit"], "-o", str(staging)).splitlines()
+        made = [Path(name) for name in names if name.strip()]
+        if not force:
+            for path in made:
+                _refuse_theirs(out / path.name, note["commit"], tree, out)
+        written = []
+        for path in made:
+            target = out / path.name
+            if force:
+                os.replace(path, target)  # a link in its place is replaced, never written through
+            else:
+                try:
+                    os.link(path, target)
+                except FileExistsError:  # there now, made meanwhile: judged again, replaced only if ours
+                    _refuse_theirs(target, note["commit"], tree, out)
+                    os.replace(path, target)
+            written.append(target)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_theirs(target: Path, commit: str, tree: CheckoutTree, out: Path) -> None:
+    """Refused: ``target`` exists and is not an export of ``commit`` (format-patch's first line
+    names the commit it was made from); a regular file that is one is sm120patch's to replace."""
+    try:
+        info = target.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode):
+        with open(target, "rb") as handle:
+            if handle.readline(200).startswith(f"From {commit} ".encode()):
+                return
+    again = command("export", ("--source", str(tree.root)), ("--out", str(out)), ("--force", None))
+    raise RefusedError(f"{target} exists and is not sm120patch's export of this commit; nothing was written",
+                       hint=f"choose another --out, or `{again}` replaces it")

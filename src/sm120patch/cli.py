@@ -715,16 +715,19 @@ def check_log(log, server, server_version, python, follow, new_run, timeout, as_
 
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
              epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
-                           [(0, "written"), USAGE_NO_TARGET, (3, "sm120patch made no commit there")]))
+                           [(0, "written"), USAGE_NO_TARGET,
+                            (3, "sm120patch made no commit there, or --out has a file of a patch's name that is not "
+                                "this commit's export (nothing was written)")]))
 @click.option("--source", metavar="DIR", required=True, help="The git checkout sm120patch committed to.")
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
-def export(source, out):
+@click.option("--force", is_flag=True, help="Replace a file of the same name in --out that is not this commit's export.")
+def export(source, out, force):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
     from sm120patch import checkout, distributions, render
     from sm120patch.reports import ExportReport
 
     tree = checkout.open_checkout(source, distributions.load_registry(full=False))
-    return show(ExportReport(checkout.export(tree, Path(out))), False, render.render_export)
+    return show(ExportReport(checkout.export(tree, Path(out), force=force)), False, render.render_export)
 
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",
