@@ -22,7 +22,7 @@ from packaging.version import Version
 from helpers import changed, run_cli, sm120patch_argv, tree_snapshot
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
-from toy import SOURCE, make_install, make_wheel
+from toy import SOURCE, install, make_install, make_wheel
 
 BIN = str(Path(sys.executable).parent)  # where this checkout's `sm120patch` command is
 
@@ -272,3 +272,28 @@ def test_export_never_replaces_a_users_file_of_the_same_name_unless_forced(tmp_p
     assert forced.exit_code == ExitCode.OK and (out / made.name).read_bytes() == made.read_bytes()
     again = run_cli("export", "--source", root, "--out", str(out))  # its own export: replaced, as before
     assert again.exit_code == ExitCode.OK and sorted(out.iterdir()) == [out / made.name]
+
+
+def test_a_copy_found_through_pythonpath_is_named_with_the_one_a_server_without_it_imports(data_dir, tmp_path):  # noqa: F811
+    venv = tmp_path / "env"
+    site = make_install(venv, [make_wheel(tmp_path, "1.0")])
+    other = tmp_path / "other"
+    other.mkdir()
+    install(other, make_wheel(tmp_path, "1.0"))  # a second toyfuse, in a directory PYTHONPATH names
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "SM120PATCH_DATA_DIR": str(data_dir), "HOME": str(tmp_path / "home"), "PYTHONPATH": str(other),
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    python = str(venv / "bin" / "python")
+    said = (f"a directory on PYTHONPATH ({other}), which the interpreter imports only while PYTHONPATH names it: a "
+            f"server started without it imports the copy in {site} (toyfuse 1.0), which this run leaves as it is "
+            f"(`env -u PYTHONPATH sm120patch apply --python {python}` patches that one)")
+    status = sm120patch("status", "--python", python, env=env, text=True)
+    assert f"! installed in {said}" in status.stdout, status.stdout
+    applied = sm120patch("apply", "--python", python, env=env, text=True)
+    assert applied.returncode == ExitCode.OK and f"note: toyfuse is installed in {said}" in applied.stdout
+    assert "[9, 10, 12]" in (other / "toyfuse" / "comm.py").read_text()  # the copy the interpreter imports now
+    assert "[9, 10, 12]" not in (site / "toyfuse" / "comm.py").read_text()
+    # The command it names patches the other copy, the one a server without PYTHONPATH imports.
+    command = re.search(r"`(env -u PYTHONPATH [^`]+)`", applied.stdout).group(1)
+    assert subprocess.run(["bash", "-c", command], env=env, capture_output=True, timeout=120).returncode == 0
+    assert "[9, 10, 12]" in (site / "toyfuse" / "comm.py").read_text()
