@@ -21,6 +21,7 @@ from packaging.version import Version
 
 from helpers import changed, run_cli, sm120patch_argv, tree_snapshot
 from sm120patch.errors import ExitCode
+from test_ansible import ansible, patch_task, play, results  # noqa: F401 - ansible-core's fixture
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
 from toy import SOURCE, install, make_install, make_wheel
 
@@ -297,3 +298,33 @@ def test_a_copy_found_through_pythonpath_is_named_with_the_one_a_server_without_
     command = re.search(r"`(env -u PYTHONPATH [^`]+)`", applied.stdout).group(1)
     assert subprocess.run(["bash", "-c", command], env=env, capture_output=True, timeout=120).returncode == 0
     assert "[9, 10, 12]" in (site / "toyfuse" / "comm.py").read_text()
+
+
+# -- item 7: Ansible on an editable install --------------------------------------------------------
+
+@pytest.mark.wheels  # ansible-core is downloaded
+def test_ansible_on_an_editable_install_changes_only_when_bytes_change_and_check_mode_is_exact(
+        ansible, serving_env, sglang_wheel, tmp_path):  # noqa: F811
+    """SGLang installed editable (pip's direct_url.json) from a checkout: `state: present` reports
+    changed once, then never again (a notify handler restarts the server once); `state: absent`
+    in check mode predicts exactly, and never fails the host for having nothing to do."""
+    checkout = small_sglang_checkout(tmp_path / "sglang", sglang_wheel)
+    dist_info = next(serving_env.site_packages.glob("sglang-*.dist-info"))
+    (dist_info / "direct_url.json").write_text(json.dumps({"url": checkout.as_uri(), "dir_info": {"editable": True}}))
+    nothing = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert nothing[0]["changed"] is False and not nothing[0].get("failed"), nothing
+    first, second = results(play(ansible, tmp_path, [patch_task(serving_env), patch_task(serving_env)]))
+    assert first["changed"] is True and not first.get("failed"), first
+    head = git_head(checkout)
+    assert second["changed"] is False and not second.get("failed"), second
+    assert git_head(checkout) == head
+    would = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert would[0]["changed"] is True and not would[0].get("failed"), would
+    assert git_head(checkout) == head  # check mode changed nothing
+    absent, again = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")] * 2))
+    assert absent["changed"] is True and again["changed"] is False and not again.get("failed"), again
+
+
+def git_head(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--abbrev-ref", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()

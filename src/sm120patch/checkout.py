@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # a plan is only handed in: status, which opens checkouts, ne
 
 class CheckoutTree:
     judged_by_meaning = True  # HEAD is not a release's bytes: each patch's semantic check says
+    keeps_ledger = False  # the commit is the record
     dist_info = None
 
     def __init__(self, root: Path, distribution: Distribution, raw_version: str, repo,
@@ -113,9 +114,10 @@ class CheckoutTree:
         writes.undo.append(lambda: revert_checkout(self))
         return commit
 
-    def revert_by_record(self) -> Undo:
-        """Back to the user's branch: the commit is the record of what sm120patch did."""
-        return revert_checkout(self)
+    def revert_by_record(self, *, dry_run: bool = False) -> Undo:
+        """Back to the user's branch: the commit is the record of what sm120patch did (a dry
+        run says what that would do, and refuses what it would refuse)."""
+        return revert_checkout(self, dry_run=dry_run)
 
     def pending(self, revert_command: str) -> tuple[None, bool]:
         return None, False  # a commit is made or not: nothing is left half done
@@ -272,21 +274,25 @@ def read_note(tree: CheckoutTree) -> dict | None:
                            hint="delete it, and sm120patch's branch if there is one, by hand") from None
 
 
-def revert_checkout(tree: CheckoutTree) -> Undo:
+def revert_checkout(tree: CheckoutTree, *, dry_run: bool = False) -> Undo:
     """Back to the branch the user was on; sm120patch's branch is deleted only when nobody
-    committed to it."""
+    committed to it. ``dry_run``: what that would do, changing nothing."""
     repo = tree.repo
     note = read_note(tree)
     if not note:
-        return Undo(f"{tree.distribution.name} {tree.raw_version}: sm120patch made no commit in {tree.root}; nothing to revert", False)
+        return Undo(f"sm120patch made no commit in {tree.root}; nothing to revert", False)
     branch = note["branch"]
     if branch not in repo.heads:
+        if dry_run:
+            return Undo(f"{branch} is gone already; would remove sm120patch's note of it", True)
         tree.state_path.unlink()
         return Undo(f"{branch} is gone already; nothing to revert", True)
     if repo.heads[branch].commit.hexsha != note["commit"]:
         raise RefusedError(f"{branch} has commits sm120patch did not make; refusing to delete it",
                            hint=f"`git checkout {terminal.quote(note['original'])}` and delete the branch yourself when you are done with it")
     refuse_dirty(tree)
+    if dry_run:
+        return Undo(f"would go back to {note['original']} and delete {branch}", True)
     repo.git.checkout(note["original"])
     repo.delete_head(branch, force=True)
     tree.state_path.unlink()

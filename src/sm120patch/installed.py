@@ -36,6 +36,7 @@ def _canonical(name: str) -> str:
 
 class InstalledTree:
     judged_by_meaning = False  # the RECORD gives the release's hash of every file
+    keeps_ledger = True
 
     def __init__(self, env: Environment, dist: InstalledDistribution, distribution: Distribution) -> None:
         self.env = env
@@ -180,7 +181,7 @@ class InstalledTree:
         writes.transaction.append((self, plan))
         return None
 
-    def revert_by_record(self) -> None:
+    def revert_by_record(self, *, dry_run: bool = False) -> None:
         return None  # revert plans the release's bytes back, from the ledger
 
     def pending(self, revert_command: str) -> tuple[str | None, bool]:

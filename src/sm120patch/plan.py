@@ -137,7 +137,9 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
         if (fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None and not fa.former
                 and fa.origin is not Origin.OTHER_FORM):  # (another sm120patch's form: today's is written)
-            if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
+            # A hand edit equal to the patch: adopted in the ledger; where there is none (a
+            # checkout) it is left as it is, and nothing changes (Ansible reports no change).
+            if fa.origin is Origin.BY_HAND and assessment.tree.keeps_ledger:
                 ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
                                                    origin=Origin.ADOPTED.value)
                 adopted.append(relpath)

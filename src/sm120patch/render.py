@@ -544,7 +544,8 @@ def change_json(report: ChangeReport) -> dict:
         "next": next_json(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
         # Whatever the run would count as a change (Ansible's check mode reports it as changed).
-        "would_change": (any(r.plan and not r.plan.empty for r in report.results) or bool(report.orphans_removed)
+        "would_change": (any((r.plan and not r.plan.empty) or (r.undo and r.undo.changed) for r in report.results)
+                         or bool(report.orphans_removed)
                          or bool(report.jit_removed)) if report.dry_run else None,
         "recovered": None if report.recovery is None else {
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),
