@@ -21,8 +21,8 @@ from packaging.version import Version
 
 from helpers import changed, run_cli, sm120patch_argv, tree_snapshot
 from sm120patch.errors import ExitCode
-from test_ansible import ansible, patch_task, play, results  # noqa: F401 - ansible-core's fixture
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
+from test_terminal import on_a_terminal
 from toy import SOURCE, install, make_install, make_wheel
 
 BIN = str(Path(sys.executable).parent)  # where this checkout's `sm120patch` command is
@@ -45,7 +45,7 @@ def test_escapes_from_a_file_or_a_path_are_shown_never_obeyed(data_dir, tmp_path
     venv = tmp_path / "env\x1b]0;title\x07\x1b[31m"  # a path a terminal would act on
     site = make_install(venv, [make_wheel(tmp_path, "1.0")])
     comm = site / "toyfuse" / "comm.py"
-    comm.write_text(f"# {HOSTILE}\n{SOURCE}")
+    comm.write_text(SOURCE.replace("    return", f"    # {HOSTILE}\n    return"))  # within a diff's context
     (tmp_path / "home").mkdir()
     env = {**os.environ, "SM120PATCH_DATA_DIR": str(data_dir), "HOME": str(tmp_path / "home"),
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
@@ -53,7 +53,6 @@ def test_escapes_from_a_file_or_a_path_are_shown_never_obeyed(data_dir, tmp_path
     wheels = ["--wheel-dir", str(tmp_path)]
     runs = {"status": sm120patch("status", "--python", python, env=env),
             "apply": sm120patch("apply", "--python", python, *wheels, env=env),
-            "diff": sm120patch("diff", "--force", "--python", python, env=env),
             "revert --dry-run": sm120patch("revert", "--dry-run", "--force", "--python", python, *wheels, env=env)}
     for name, proc in runs.items():
         shown = proc.stdout + proc.stderr
@@ -61,8 +60,16 @@ def test_escapes_from_a_file_or_a_path_are_shown_never_obeyed(data_dir, tmp_path
         assert b"Traceback" not in shown, name
     # The refusal's diff and the forced revert's show what the file holds, as text.
     assert runs["apply"].returncode == ExitCode.REFUSED
-    assert rb"+# \x1b]52;c;ZXZpbA==\x07 \x1b]0;owned\x07 \x1b[2J \x9b31m \x00 \x08\u202e" in runs["apply"].stderr
-    assert rb"-# \x1b]52;c;ZXZpbA==\x07" in runs["revert --dry-run"].stdout
+    assert rb"+    # \x1b]52;c;ZXZpbA==\x07 \x1b]0;owned\x07 \x1b[2J \x9b31m \x00 \x08\u202e" in runs["apply"].stderr
+    assert rb"-    # \x1b]52;c;ZXZpbA==\x07" in runs["revert --dry-run"].stdout
+    # `diff` into a file or a pipe is a patch: the file's bytes exactly, so that `patch -p1` applies
+    # it; on a terminal, the same diff is shown with its escapes visible.
+    exact = sm120patch("diff", "--force", "--python", python, env=env)
+    assert exact.returncode == ExitCode.OK and f"     # {HOSTILE}\n".encode() in exact.stdout
+    code, shown = on_a_terminal("diff", "--force", "--python", python, **{k: env[k] for k in ("SM120PATCH_DATA_DIR",
+                                                                                              "HOME")})
+    assert code == ExitCode.OK and not CONTROLS.search(shown.replace("\n", "").encode()), shown
+    assert " supported_major_versions=[9, 10, 12]," in shown and "     # \\x1b]52;c;ZXZpbA==\\x07" in shown
     # The command `next:` and a hint name is the same path, when pasted into a shell.
     hint = re.search(rb"reinstall with `([^`]+)`", runs["apply"].stderr).group(1).decode()
     assert subprocess.run(["bash", "-c", f"test -x {hint.split(' -m ')[0]}"]).returncode == 0, hint
@@ -299,32 +306,3 @@ def test_a_copy_found_through_pythonpath_is_named_with_the_one_a_server_without_
     assert subprocess.run(["bash", "-c", command], env=env, capture_output=True, timeout=120).returncode == 0
     assert "[9, 10, 12]" in (site / "toyfuse" / "comm.py").read_text()
 
-
-# -- item 7: Ansible on an editable install --------------------------------------------------------
-
-@pytest.mark.wheels  # ansible-core is downloaded
-def test_ansible_on_an_editable_install_changes_only_when_bytes_change_and_check_mode_is_exact(
-        ansible, serving_env, sglang_wheel, tmp_path):  # noqa: F811
-    """SGLang installed editable (pip's direct_url.json) from a checkout: `state: present` reports
-    changed once, then never again (a notify handler restarts the server once); `state: absent`
-    in check mode predicts exactly, and never fails the host for having nothing to do."""
-    checkout = small_sglang_checkout(tmp_path / "sglang", sglang_wheel)
-    dist_info = next(serving_env.site_packages.glob("sglang-*.dist-info"))
-    (dist_info / "direct_url.json").write_text(json.dumps({"url": checkout.as_uri(), "dir_info": {"editable": True}}))
-    nothing = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
-    assert nothing[0]["changed"] is False and not nothing[0].get("failed"), nothing
-    first, second = results(play(ansible, tmp_path, [patch_task(serving_env), patch_task(serving_env)]))
-    assert first["changed"] is True and not first.get("failed"), first
-    head = git_head(checkout)
-    assert second["changed"] is False and not second.get("failed"), second
-    assert git_head(checkout) == head
-    would = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
-    assert would[0]["changed"] is True and not would[0].get("failed"), would
-    assert git_head(checkout) == head  # check mode changed nothing
-    absent, again = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")] * 2))
-    assert absent["changed"] is True and again["changed"] is False and not again.get("failed"), again
-
-
-def git_head(checkout: Path) -> str:
-    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--abbrev-ref", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()

@@ -217,14 +217,19 @@ def _stdout_closed() -> None:
         pass
 
 
-def emit(text: str, *, nl: bool = True, colour: Callable[[str], str] = str) -> None:
+def emit(text: str, *, nl: bool = True, colour: Callable[[str], str] = str, data: bool = False) -> None:
     """``text`` on stdout, every control character in it but newline and tab made visible
     (terminal.visible): a drifted file's escape sequences in a diff, a path's, never reach the
-    terminal as such; then ``colour``, sm120patch's own (render.coloured)."""
+    terminal as such; then ``colour``, sm120patch's own (render.coloured). ``data``: a patch
+    (`diff > sm120.patch`), written exact where stdout is no terminal, so that `patch` applies it."""
     global _emitted
     if text:
         try:
-            click.echo(colour(terminal.visible(text)), nl=nl)
+            exact = data and not sys.stdout.isatty()
+            if exact:  # (color=True: click would take CSI sequences out of it, off a terminal)
+                click.echo(text, nl=nl, color=True)
+            else:
+                click.echo(colour(terminal.visible(text)), nl=nl)
         except BrokenPipeError:
             _stdout_closed()
         _emitted = True
@@ -335,7 +340,7 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
                             on_wait=lambda text: click.echo(one_line(f"sm120patch: {text}"), err=True))
 
 
-def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True) -> int:
+def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True, data: bool = False) -> int:
     """Every command's end: the report as text or as its --json document (``note``: given the
     report and its text, a line for stderr, or None), then each error it carries through
     :func:`handle` (the change it reports stands); the command returns the report's exit code,
@@ -350,7 +355,7 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
                 if as_json else text(report))
     if as_json or not progress.QUIET:
         render.COLOUR = render.colour() and not as_json
-        emit(rendered, nl=nl or as_json, colour=render.coloured)
+        emit(rendered, nl=nl or as_json, colour=render.coloured, data=data and not as_json)
         said = note(report, rendered) if note is not None else None
         if said:
             click.echo(terminal.visible(said), err=True)
@@ -527,7 +532,7 @@ def diff(with_ids, python, source, force, **selectors):
     from sm120patch import changes, render
 
     report = changes.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
-    return show(report, False, render.render_diff, note=render.diff_note, nl=False)
+    return show(report, False, render.render_diff, note=render.diff_note, nl=False, data=True)
 
 
 @cli.command(short_help="Prove the patched state: hashes, semantics, runtime, compile, build.",
