@@ -26,7 +26,7 @@ from sm120patch.environment import Environment, Probe, start_probe
 from sm120patch.errors import NewerFormatError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.installed import InstalledTree
 from sm120patch.invocation import command
-from sm120patch.journal import journal_at
+from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import read_locks
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.state import orphans, state_root, temporaries
@@ -192,8 +192,18 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
     located = located or locate(request, registry)
     # Read under the shared lock of every install location: a run changing one (apply, revert)
     # is seen before or after, never half done.
-    with read_locks(located.state_dirs, on_wait=request.on_wait):
+    with read_locks(located.state_dirs, on_wait=request.on_wait, busy=_running):
         return _status(request, registry, located, device)
+
+
+def _running(site_dir: Path) -> str:
+    """The run that holds ``site_dir``, as its journal names it (which command, which process)."""
+    try:
+        journal = read_journal(journal_at(site_dir))
+    except Sm120PatchError:
+        journal = None
+    where = f"another sm120patch is changing {site_dir}"
+    return f"{where}: {journal.describe(running=True)}" if journal is not None else where
 
 
 def _status(request: Request, registry: Registry, located: Located, device) -> StatusReport:
