@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import stat
-import tempfile
 import re
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -308,6 +306,9 @@ def export(tree: CheckoutTree, out: Path, *, force: bool = False) -> list[Path]:
     if not note:
         raise RefusedError(f"sm120patch has made no commit in {tree.root}",
                            hint=f"run `{command('apply', ('--source', str(tree.root)))}` first")
+    import shutil  # here: status imports this module, and neither of these (docs/benchmarks.md)
+    import tempfile
+
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".sm120patch-export-", dir=out))
     try:

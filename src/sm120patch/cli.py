@@ -220,7 +220,7 @@ def _stdout_closed() -> None:
 def emit(text: str, *, nl: bool = True, colour: Callable[[str], str] = str, data: bool = False) -> None:
     """``text`` on stdout, every control character in it but newline and tab made visible
     (terminal.visible): a drifted file's escape sequences in a diff, a path's, never reach the
-    terminal as such; then ``colour``, sm120patch's own (render.coloured). ``data``: a patch
+    terminal as such; then ``colour``, sm120patch's own (render.paint). ``data``: a patch
     (`diff > sm120.patch`), written exact where stdout is no terminal, so that `patch` applies it."""
     global _emitted
     if text:
@@ -348,14 +348,13 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     from sm120patch import progress, render
 
     ctx = click.get_current_context()
-    # The text is for this stdout: its width; its colours are added last, to text already made
-    # visible (terminal.visible would show sm120patch's own colours as escapes too).
-    render.COLUMNS, render.COLOUR = render.terminal_width(), False
+    # The text is for this stdout: its width, and its colours, painted after terminal.visible
+    # (which would show sm120patch's own escape sequences as text too).
+    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour() and not as_json
     rendered = (json.dumps(render.json_document(_command_name(ctx), report.exit_code, document(report)), indent=2)
                 if as_json else text(report))
     if as_json or not progress.QUIET:
-        render.COLOUR = render.colour() and not as_json
-        emit(rendered, nl=nl or as_json, colour=render.coloured, data=data and not as_json)
+        emit(rendered, nl=nl or as_json, colour=render.paint, data=data and not as_json)
         said = note(report, rendered) if note is not None else None
         if said:
             click.echo(terminal.visible(said), err=True)

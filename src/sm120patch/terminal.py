@@ -28,8 +28,8 @@ def _shown(match: re.Match) -> str:
 
 def visible(text: str, *, keep: str = "\n\t") -> str:
     """``text`` with every character a terminal would act on written as its escape (``\\x1b``);
-    the characters in ``keep`` (a report's newlines and tabs) stay as they are. Printable text,
-    the colours sm120patch adds itself after this (render.coloured), are left alone."""
+    the characters in ``keep`` (a report's newlines and tabs) stay as they are, and so does
+    printable text. sm120patch's own colours are added after this (render.paint)."""
     if not _UNSAFE_OR_SURROGATE.search(text):
         return text
     return _UNSAFE_OR_SURROGATE.sub(lambda m: m.group(0) if m.group(0) in keep else _shown(m), text)
