@@ -179,16 +179,22 @@ def test_status_beside_apply_and_revert_sees_a_committed_state_every_time(servin
         for thread in threads:
             thread.join()
     assert len(seen) >= readers * rounds
-    states = set()
+    committed = {("patched", False, None, None), ("not patched", False, None, None)}
+    wrong = []
     for proc in seen:
-        document = json.loads(proc.stdout)  # a document, always
-        assert proc.returncode in (ExitCode.OK, ExitCode.NOT_OK) and proc.returncode == document["exit_code"], \
-            (proc.returncode, proc.stderr)
+        try:
+            document = json.loads(proc.stdout)  # a document, always
+        except ValueError:
+            wrong.append((proc.returncode, proc.stderr))
+            continue
         found = {(d["state"], bool(d["dropped_by_reinstall"]), d["interrupted_transaction"], d["in_progress"])
                  for d in document["distributions"]}
-        assert len(found) == 1, found  # flashinfer-python and sglang alike
-        states |= found
-    assert states <= {("patched", False, None, None), ("not patched", False, None, None)}, states
+        # One committed state, flashinfer-python's and sglang's alike (one transaction patches both).
+        if (proc.returncode not in (ExitCode.OK, ExitCode.NOT_OK) or proc.returncode != document["exit_code"]
+                or len(found) != 1 or not found <= committed):
+            wrong.append((proc.returncode, found or document.get("error")))
+    print(f"\n{len(seen)} status documents beside {rounds} apply/revert rounds, {len(wrong)} not a committed state")
+    assert wrong == [], f"{len(wrong)} of {len(seen)}: {wrong[:5]}"
 
 
 # -- item 9: smaller ones --------------------------------------------------------------------------
