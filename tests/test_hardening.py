@@ -20,6 +20,7 @@ import pytest
 from packaging.version import Version
 
 from helpers import changed, run_cli, sm120patch_argv, tree_snapshot
+from sm120patch import terminal
 from sm120patch.errors import ExitCode
 from test_synthetic import data_dir  # noqa: F401 - the synthetic distribution's data
 from test_terminal import on_a_terminal
@@ -79,6 +80,16 @@ def test_escapes_from_a_file_or_a_path_are_shown_never_obeyed(data_dir, tmp_path
     applied = subprocess.run(["bash", "-c", command], capture_output=True, env=env, timeout=120)
     assert applied.returncode == ExitCode.OK, applied.stderr
     assert "[9, 10, 12]" in comm.read_text()
+
+
+
+@pytest.mark.parametrize("name", ["plain/path", "it's a $HOME `x`", "esc\x1b]0;t\x07", "nul-less\x01\x7f\x9b\u202e",
+                                  "not utf-8 \udcff\udc80", "back\\slash 'quote'\n"])
+def test_a_quoted_word_names_the_same_bytes_in_bash_and_shows_no_control(name):
+    quoted = terminal.quote(name)
+    assert terminal.visible(quoted) == quoted  # nothing in it a terminal acts on
+    said = subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True, check=True).stdout
+    assert said == os.fsencode(name)
 
 
 # -- item 8: a zip bomb in a wheel -----------------------------------------------------------------
