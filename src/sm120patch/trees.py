@@ -53,9 +53,6 @@ class Tree(Protocol):
     raw_version: str
     root: Path  # every file's path is under it; a diff is written from here
     judged_by_meaning: bool  # its files are judged by each patch's semantic check, not by the release's hashes
-    # Whether it keeps sm120patch's ledger: an install does; a checkout's record is the commit, so
-    # a hand edit equal to the patch there has nothing to be recorded in (apply leaves it, unchanged).
-    keeps_ledger: bool
 
     @property
     def version(self) -> Version | None: ...

@@ -28,6 +28,10 @@ class Worktree(Tree, Protocol):
     itself (installed.InstalledTree, checkout.CheckoutTree), so that nothing above asks which kind
     it holds. Writing: an install joins the one transaction, a checkout commits on a branch."""
 
+    # Whether it keeps sm120patch's ledger: an install does; a checkout's record is the commit, so
+    # a hand edit equal to the patch there has nothing to be recorded in (apply leaves it, unchanged).
+    keeps_ledger: bool
+
     def write(self, plan: Plan, writes: Writes) -> Commit | None: ...
     def refuse_unwritable(self, plan: Plan) -> None: ...
     def revert_by_record(self, *, dry_run: bool = False) -> Undo | None: ...
