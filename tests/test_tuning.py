@@ -510,15 +510,17 @@ def pcie_rows(columns: dict = PCIE_X4) -> list[dict]:
 def tuned(monkeypatch):
     """`bench --tune --tp 4 --hidden 4096` with the workers' document given: returns a function
     that runs the command with these GPUs (bus ids per rank) and extra arguments."""
-    def invoke(*args, gpus=GPUS, pcie_ipc=(), rows=None, made=None, collectives="nccl"):
+    def invoke(*args, gpus=GPUS, pcie_ipc=(), rows=None, made=None, collectives="nccl", probe=None):
         """``pcie_ipc``: the servers' PCIe-IPC paths _prepare found; ``rows`` and ``made`` (the
         workers' account of each path), ``collectives`` (the workers' process group): what the
-        workers hand back."""
+        workers hand back. ``probe``: tokens -> the row the workers measure when the tuner asks
+        for a size between two (as rank 0 does: the rows so far to ``ask``, until it says None);
+        without it the workers measure only the sizes asked for."""
         def prepare(request):
             return bench._Prepared(bench.replace(request, python=Path("/srv/env/bin/python")), 4,
                                    load_registry(full=False), None, [], tuple(pcie_ipc))
 
-        def run(request, *, world_size, on_event=None, servers=(), tune=None):
+        def run(request, *, world_size, on_event=None, servers=(), tune=None, ask=None):
             assert tune["oneshot_max_bytes"] == 8 * 2 ** 20 and tune["repeats"] == 7
             assert {"flashinfer-python", "sglang", "vllm", "torch"} <= set(tune["distributions"])
             assert tune["runtime"] == Path(runtime.__file__).read_text()
@@ -527,7 +529,11 @@ def tuned(monkeypatch):
                     "device": "NVIDIA RTX PRO 6000",
                     "capability": "12.0", "tune": {"box": runtime._sm120patch_box(), "gpus": list(gpus),
                                                    "nccl_env": runtime._sm120patch_nccl_env(), "software": SOFTWARE,
-                                                   "rows": rows or pcie_rows()}}
+                                                   "rows": list(rows or pcie_rows())}}
+            invoke.asked = []
+            while probe is not None and (tokens := ask(meta["tune"]["rows"])) is not None:
+                invoke.asked.append(tokens)
+                meta["tune"]["rows"].append(dict(probe(tokens), probe=True))
             if made is not None:
                 meta["tune"]["pcie_ipc"] = made
             return bench.BenchReport(request, world_size, meta, [])
@@ -551,7 +557,8 @@ def test_tune_writes_a_profile_the_servers_take_and_says_what_it_measured(tuned,
     lines = result.output.splitlines()
     assert "limits at TP4: one-shot up to 64 KiB per rank, fused up to 256 KiB (32 tokens at hidden 4096), unfused beyond" \
         in lines
-    assert "  tie at 256 KiB: NCCL+norm and two-shot are within each other's interquartile range" in lines
+    assert ("  tie at 256 KiB: NCCL+norm and two-shot are within the noise of the repetitions (their interquartile "
+            "ranges and their medians' notches overlap)") in lines
     assert f"verdict: {entry['verdict']}" in lines
     assert f"profile: wrote the TP4 limits into {path}" in lines
     assert "       1     8 KiB           6.1 [6.0-6.3]                       -        13.5 [13.2-13.9]" in lines
@@ -588,6 +595,44 @@ def test_tune_reads_the_models_config_and_its_dtype(tuned, tmp_path):
     assert (entry["hidden"], entry["dtype"], entry["model"]) == (4096, "fp16", str(model / "config.json"))
     assert tuned("--model", str(model), "--dtype", "bf16", "--profile", str(path)).exit_code == 0
     assert json_of(path)["entries"]["4"]["dtype"] == "bf16"  # --dtype given wins over the model's
+
+
+def test_tune_narrows_the_limits_down_in_the_same_run_and_prints_the_probes(tuned, tmp_path):
+    """The workers measure the sizes the tuner asks for between two measured ones (here the PCIe
+    table's box as a function: each path's time between the sizes asked for, interpolated) until
+    each limit is within 10 % of its crossover; the probes are in the table (marked), the profile
+    and the JSON, and the limits written are the narrowed ones, derived again from that table."""
+    def probe(tokens: int) -> dict:
+        lower = max((r for r in pcie_rows() if r["tokens"] < tokens), key=lambda r: r["tokens"])
+        upper = min((r for r in pcie_rows() if r["tokens"] > tokens), key=lambda r: r["tokens"])
+        share = (tokens - lower["tokens"]) / (upper["tokens"] - lower["tokens"])
+        row = {"tokens": tokens, "bytes": tokens * HIDDEN * 2, "graphs": True, "repeats": 7}
+        for column in ("oneshot", "twoshot", "unfused"):
+            if f"{column}_us" in lower and f"{column}_us" in upper:
+                median = lower[f"{column}_us"] + share * (upper[f"{column}_us"] - lower[f"{column}_us"])
+                row[f"{column}_us"], row[f"{column}_iqr_us"] = median, [median * 0.98, median * 1.03]
+        return row
+
+    path = tmp_path / "tuned-limits.json"
+    result = tuned("--hidden", "4096", "--profile", str(path), probe=probe)
+    assert result.exit_code == 0, result.output
+    asked = tuned.asked
+    assert asked and all(8 < n < 16 or 32 < n < 64 for n in asked) and len(asked) <= 8
+    entry = json_of(path)["entries"]["4"]
+    table = entry["table"]
+    assert [r["tokens"] for r in table] == sorted(r["tokens"] for r in table)
+    assert sorted(r["tokens"] for r in table if r.get("probe")) == sorted(asked)
+    again = derive([Row.from_table(r) for r in table], world=4, hidden=HIDDEN)
+    assert (entry["oneshot_max_bytes"], entry["fused_max_bytes"]) == (again.oneshot_max_bytes, again.fused_max_bytes)
+    a, b = entry["oneshot_max_bytes"] // (HIDDEN * 2), entry["fused_max_bytes"] // (HIDDEN * 2)
+    assert 8 < a < 16 and 32 < b < 64 and all(bracket.narrow for bracket in again.brackets)
+    lines = result.output.splitlines()
+    assert any(line.startswith(f"  {asked[0]:>5}*") for line in lines)
+    assert ("  * measured to narrow a limit down (between two sizes asked for, the same checks and repetitions)"
+            in lines)
+    assert "not narrowed down" not in entry["verdict"]
+    document = json.loads(tuned("--hidden", "4096", "--profile", str(path), "--json", probe=probe).stdout)
+    assert document["entry"]["table"] == table and document["entry"]["fused_max_bytes"] == b * HIDDEN * 2
 
 
 @pytest.mark.parametrize("args, said", [
@@ -794,3 +839,88 @@ def test_a_pcie_ipc_path_its_server_sends_no_size_to_has_no_column(tuned, tmp_pa
         "check: one-shot, two-shot and NCCL + fused_add_rmsnorm each matched")
     assert any(line.endswith("not run at 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048 tokens (the server sends "
                              "those to NCCL)") for line in lines)
+
+
+# -- hostile profiles: status and the tuner say one line, and the tuner before it measures ------
+
+from sm120patch import tunedlimits  # noqa: E402
+
+
+def hostile_profiles() -> list[tuple[str, bytes, str]]:
+    """(what, the file's bytes, what sm120patch says of it): the shapes issue #60 item 8 and #61
+    item 8 name, each in a profile otherwise made on this box."""
+    box = runtime._sm120patch_box()
+
+    def document(**entries) -> bytes:
+        return json.dumps({"kind": profile.KIND, "format": 1, "box": box, "entries": entries}).encode()
+
+    good = pcie_entry()
+    return [
+        ("a TP key str.isdigit() takes and int() refuses", document(**{"²": good}), "entry '²' is not a TP size"),
+        ("a TP key the server never looks up", document(**{"04": good}),
+         "entry '04' is not a TP size as the server looks it up (4)"),
+        ("a dtype that is a list", document(**{"4": dict(good, dtype=["bf16"])}),
+         "a part of it is not of the type a profile holds (TypeError)"),
+        ("NCCL settings that are not an object", document(**{"4": dict(good, nccl_env=["NCCL_P2P_LEVEL=PHB"])}),
+         "TP4: its NCCL settings are not names and values"),
+        ("releases that are not strings", document(**{"4": dict(good, software={"torch": [2, 11]})}),
+         "TP4: its releases are not names and versions"),
+        ("nesting deeper than json reads", b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    ]
+
+
+@pytest.mark.parametrize("what, content, said", hostile_profiles(), ids=[h[0] for h in hostile_profiles()])
+def test_status_reads_a_hostile_profile_as_one_reason(tmp_path, what, content, said):
+    """Issue #60 item 8: what status reads (tunedlimits.read) never raises; it says why the
+    profile, or the entry, does not hold, as the server would find (it keeps the release's limits)."""
+    path = tmp_path / "tuned-limits.json"
+    path.write_bytes(content)
+    view = tunedlimits.read(dict(SOFTWARE), {"SM120PATCH_TUNED_LIMITS": str(path)})
+    assert not view.entries and said in " ".join((view.problem, *view.others)), view
+    document, why = tunedlimits.load(str(path))
+    assert (document is None) == (why != "") and tunedlimits.problem(document) if document is not None else True
+
+
+@pytest.mark.parametrize("what, content, said", hostile_profiles(), ids=[h[0] for h in hostile_profiles()])
+def test_the_tuner_refuses_a_profile_it_cannot_merge_into_before_it_measures(tuned, tmp_path, what, content, said):
+    """Issue #60 item 8: a file at the profile's path the tuner could not merge into is refused
+    before any worker starts (it was found after the whole measurement, or crashed the writer):
+    one line, exit 3, the file as it was."""
+    path = tmp_path / "tuned-limits.json"
+    path.write_bytes(content)
+    tuned.config = None
+    result = tuned("--hidden", "4096", "--profile", str(path))
+    assert result.exit_code == ExitCode.REFUSED, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(errors) == 1 and said in errors[0] and errors[0].endswith("nothing was measured")
+    assert "Traceback" not in result.output and tuned.config is None  # no worker ran
+    assert path.read_bytes() == content
+
+
+def test_the_tuner_refuses_a_path_it_cannot_write_before_it_measures(tuned, tmp_path):
+    """A parent that is a file (no user, root included, can make the profile there): exit 4 with
+    the way out, before any worker starts."""
+    blocker = tmp_path / "etc"
+    blocker.write_text("a file, not a directory")
+    tuned.config = None
+    result = tuned("--hidden", "4096", "--profile", str(blocker / "sm120patch" / "tuned-limits.json"))
+    assert result.exit_code == ExitCode.FAILED, result.output
+    assert f"cannot write the profile at {blocker}/sm120patch/tuned-limits.json" in result.output
+    assert tuned.config is None
+
+
+def test_status_of_a_real_environment_under_a_hostile_profile_is_one_line_each(read_only_cli, tmp_path, monkeypatch):
+    """`status` on the real SGLang 0.5.9 environment with each hostile profile (status reads the
+    profile for every server with a fusion chain): no traceback (the CLI runs with exceptions
+    raised), the same exit code and the same tp step as with no profile (the environment does not
+    have tuned-limits applied, so the step says untuned either way)."""
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    plain = read_only_cli("status", "--json")
+    for what, content, said in hostile_profiles():
+        path.write_bytes(content)
+        result = read_only_cli("status", "--json")
+        assert result.exit_code == plain.exit_code, (what, result.output)
+        steps = [s for t in json.loads(result.stdout)["distributions"] if t.get("fusion")
+                 for s in t["fusion"]["steps"] if s["id"] == "tp"]
+        assert steps and all(s["text"].startswith("untuned") for s in steps), (what, steps)
