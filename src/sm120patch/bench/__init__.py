@@ -14,8 +14,11 @@ With ``--tune`` it measures instead where fusion wins on this box at this TP siz
 of ranks completes one small fused call first (a pair that fails or hangs is named), then at
 each size one-shot, two-shot, NCCL + norm and each installed server's PCIe-IPC allreduce + norm
 (``pcie_ipc_paths``, where its server sends that size) are checked against the reference and
-timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
-and ``profile`` writes them, with the whole table, into the profile the patched servers read.
+timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits,
+the workers measure the sizes it asks for between two measured ones in the same run (rank 0 sends the
+rows, ``ask`` answers) until each limit is within 10 % of its crossover, and ``profile`` writes them,
+with the whole table, into the profile the patched servers read. What would stop that write (a file
+there that is no profile it can merge into, a path it cannot write) is refused before anything runs.
 
 - ``target``: what the target interpreter has; ``preflight``: the options and every reason the
   run cannot start; ``runner``: the workers; ``report``: the measurements and the recommendation;
