@@ -924,3 +924,29 @@ def test_status_of_a_real_environment_under_a_hostile_profile_is_one_line_each(r
         steps = [s for t in json.loads(result.stdout)["distributions"] if t.get("fusion")
                  for s in t["fusion"]["steps"] if s["id"] == "tp"]
         assert steps and all(s["text"].startswith("untuned") for s in steps), (what, steps)
+
+
+def test_tuned_on_this_box_names_what_status_cannot_see_the_servers_nccl_settings(tmp_path):
+    """Issue #60 item 8: with the target's torch read (no release left unchecked), the tp step of a
+    server with tuned-limits applied says the limits hold, and that the server also compares its
+    own NCCL settings, which status cannot see, with the profile's (here NCCL_P2P_LEVEL=PHB); an
+    entry tuned with another torch is not said to hold, with the reason."""
+    from types import SimpleNamespace
+
+    from sm120patch import chain
+
+    path = tmp_path / "tuned-limits.json"
+    entries = {"4": pcie_entry(nccl_env={"NCCL_P2P_LEVEL": "PHB"}),
+               "8": pcie_entry(8, software=dict(SOFTWARE, torch="2.9.0"))}
+    path.write_text(json.dumps({"kind": profile.KIND, "format": 1, "box": runtime._sm120patch_box(), "entries": entries}))
+    view = tunedlimits.read(dict(SOFTWARE), {"SM120PATCH_TUNED_LIMITS": str(path)})
+    assert [e.tp for e in view.entries] == [4] and view.entries[0].unchecked == ()
+    assert view.others == ("TP8: tuned with torch 2.9.0, here 2.11.0+cu130",)
+    sglang = load_registry(full=False).get("sglang")
+    server = SimpleNamespace(name="sglang", raw_version="0.5.9", applied_ids=frozenset({tunedlimits.PATCH_ID}),
+                             patch_set=SimpleNamespace(patches=[SimpleNamespace(id=tunedlimits.PATCH_ID)]))
+    step = chain._tp(sglang, server, chain.Commands(*["sm120patch x"] * 6), view)
+    assert step.text.startswith(f"tuned on this box ({path}, ")
+    assert step.text.endswith("(the server also checks its own NCCL settings, which status cannot see, against the "
+                              "profile's: NCCL_P2P_LEVEL=PHB)")
+    assert "torch" not in step.text
