@@ -344,6 +344,28 @@ def test_a_tie_at_a_probe_counts_as_the_limits_path_winning():
     assert edge.outcome("twoshot") == "tie" and b > 45
 
 
+def test_random_boxes_narrow_every_limit_with_few_probes_inside_their_brackets():
+    """Boxes as random straight lines per path (any order of crossovers, spreads up to +-10 %),
+    narrowed as the tuner does: it ends (each bracket within 10 %, never more than MAX_PROBES
+    sizes), every probe lies strictly between two sizes asked for, and the limits keep the
+    contract's invariants (A <= B, A within the release's one-shot region)."""
+    from sm120patch.bench.limits import MAX_PROBES
+
+    generator = random.Random(60)
+    for _ in range(200):
+        world = generator.choice((2, 4, 8))
+        paths = {name: (lambda base, slope: lambda n: base + slope * n)(generator.uniform(3, 30), generator.uniform(0.05, 1))
+                 for name in ("oneshot", "twoshot", "unfused")}
+        measure, asked = modelled(world, paths, spread=generator.choice((0.0, 0.01, 0.1)))
+        rows = [measure(n) for n in DOUBLING]
+        limits, measured = refine(rows, measure, world=world, hidden=HIDDEN)
+        probes = asked[len(DOUBLING):]
+        assert len(probes) <= MAX_PROBES and all(n not in DOUBLING for n in probes)
+        assert len(probes) == MAX_PROBES or all(bracket.narrow for bracket in limits.brackets)
+        a, b = limits.oneshot_max_bytes, limits.fused_max_bytes
+        assert a <= b and a <= release_oneshot_max_bytes(world) and b <= DOUBLING[-1] * HIDDEN * 2
+
+
 def test_random_tables_keep_the_contracts_invariants():
     """A <= B, A within the release's one-shot region, both measured sizes (or 0), and never
     fused whenever an unfused path wins clearly at the smallest size."""
