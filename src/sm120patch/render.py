@@ -912,7 +912,8 @@ def render_tune(report: TuneReport) -> str:
         lines.append(f"  {tokens:>6}  {_size(row['bytes']):>8}" + "".join(
             f"  {_timing(row, column):>22}" for _, column in columns))
     if any(row.get("probe") for row in rows):
-        lines.append("  * measured to narrow a limit down (between two sizes asked for, the same checks and repetitions)")
+        lines.append("  * measured to narrow a limit down (between two sizes asked for, the same checks and "
+                     "repetitions)")
     for tie in limits.ties:
         lines.append(f"  tie at {_size(tie['bytes'])}: {' and '.join(names.get(p, p) for p in tie['paths'])} are within "
                      "the noise of the repetitions (their interquartile ranges and their medians' notches overlap)")

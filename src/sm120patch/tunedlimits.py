@@ -181,6 +181,6 @@ def read(versions: Mapping[str, str | None], environ: Mapping[str, str] | None =
             others.append(f"TP{tp}: {why}")
             continue
         entries.append(Entry(int(tp), entry["oneshot_max_bytes"], entry["fused_max_bytes"], entry["hidden"],
-                             entry["dtype"], _text(entry.get("created"), "?"), _text(entry.get("verdict"), ""), unchecked,
-                             dict(entry.get("nccl_env", {}))))
+                             entry["dtype"], _text(entry.get("created"), "?"), _text(entry.get("verdict"), ""),
+                             unchecked, dict(entry.get("nccl_env", {}))))
     return Profile(path, from_env, "", tuple(entries), tuple(others))
