@@ -83,6 +83,22 @@ def test_the_two_h200_table_fuses_one_shot_up_to_the_largest_size(hidden):
     assert "fused was faster at every size measured" in limits.verdict and "one-shot throughout" in limits.verdict
 
 
+def test_the_recorded_one_gpu_table_is_fused_where_its_wins_outweigh_its_loss_at_one_token():
+    """The table the tuner measured on the lent H200 with both ranks on GPU 0
+    (docs/one-gpu/2026-12-05/tune-tp2.txt, 3 repetitions; time slicing, so no server's figures,
+    but a real table): one-shot loses at 1 token (2249 vs 949 us) and wins 5-8x from 16 tokens
+    on. The verdict recorded then was "fusion never wins" (the smallest size vetoed it); the cost
+    rule fuses throughout and names the loss."""
+    text = (ROOT / "docs" / "one-gpu" / "2026-12-05" / "tune-tp2.txt").read_text()
+    recorded = json.JSONDecoder().raw_decode(text)[0]["entry"]
+    assert recorded["verdict"].startswith("fusion never wins at TP2") and recorded["fused_max_bytes"] == 0
+    limits = derive([Row.from_table(row, repeats=3) for row in recorded["table"]], world=2, hidden=HIDDEN)
+    assert limits.fused_max_bytes == limits.oneshot_max_bytes == 256 * HIDDEN * 2
+    assert limits.verdict == ("fusion wins at TP2, hidden 4096 up to 2 MiB per rank (256 tokens): one-shot throughout; "
+                              "it loses at 8 KiB (1 token) (137 % slower at 1 token), which its wins elsewhere "
+                              "outweigh; the limit is the largest size measured")
+
+
 # -- PCIe-shaped tables (the published figures issue #52 cites) -----------------------------
 
 # RTX PRO 6000 x4 on one NUMA node: one-shot 6.1 vs NCCL 13.5 us at the smallest sizes, 95.6 vs
