@@ -345,12 +345,12 @@ def _sm120patch_narrow(fused_table, oneshot_table):
         limit = min(fused[tp], entry["fused_max_bytes"] / mib)
         if limit <= 0:
             del fused[tp]  # vLLM then leaves the pass off at this TP size (and says it is not supported)
-            parts.append("at TP%d fusion never won on this box: the fusion pass stays off at TP%d" % (tp, tp))
+            parts.append("at TP%d: fusion never won on this box, the fusion pass stays off" % tp)
             continue
         fused[tp] = limit
         if isinstance(oneshot, dict):
             oneshot[tp] = min(oneshot.get(tp, limit), entry["oneshot_max_bytes"] / mib, limit)
-        parts.append("at TP%d fused up to %d bytes, one-shot up to %d bytes" % (
+        parts.append("at TP%d: fused up to %d bytes, one-shot up to %d bytes" % (
             tp, int(limit * mib), int((oneshot or {}).get(tp, limit) * mib)))
     _SM120PATCH_SEEN["vllm"] = used
     entry = next(iter(used.values()))
