@@ -288,6 +288,9 @@ def _sm120patch_first_cap(release_max):
             raise ValueError("the served model's hidden size is not known (%r)" % (hidden,))
         return min(release_max, entry["fused_max_bytes"] // (hidden * _SM120PATCH_ITEMSIZE[entry["dtype"]]))
     except Exception as exc:  # noqa: BLE001 - a profile never stops the server
+        # Stand down for the whole process, the fused call's one-shot choice too, so that the one
+        # line logged stays true: the release decides everything.
+        _SM120PATCH_DEVICE["sm120"] = False
         logging.getLogger(__name__).info(_sm120patch_said(
             None, "the profile could not be applied (%s: %s)" % (exc.__class__.__name__, exc), 0))
         return release_max
@@ -340,18 +343,26 @@ def _sm120patch_narrow(fused_table, oneshot_table):
     if not used:
         return _sm120patch_said(None, "; ".join(sorted({why for _, why in decided.values()})), 0)
     mib = 1024.0 * 1024.0
-    parts = []
+    parts, new_fused, new_oneshot = [], {}, {}
     for tp, entry in sorted(used.items()):
         limit = min(fused[tp], entry["fused_max_bytes"] / mib)
-        if limit <= 0:
-            del fused[tp]  # vLLM then leaves the pass off at this TP size (and says it is not supported)
+        if limit <= 0:  # vLLM then leaves the pass off at this TP size (and says it is not supported)
+            new_fused[tp] = None
             parts.append("at TP%d: fusion never won on this box, the fusion pass stays off" % tp)
             continue
-        fused[tp] = limit
+        new_fused[tp] = limit
+        one = limit
         if isinstance(oneshot, dict):
-            oneshot[tp] = min(oneshot.get(tp, limit), entry["oneshot_max_bytes"] / mib, limit)
-        parts.append("at TP%d: fused up to %d bytes, one-shot up to %d bytes" % (
-            tp, int(limit * mib), int((oneshot or {}).get(tp, limit) * mib)))
+            one = new_oneshot[tp] = min(oneshot.get(tp, limit), entry["oneshot_max_bytes"] / mib, limit)
+        parts.append("at TP%d: fused up to %d bytes, one-shot up to %d bytes" % (tp, int(limit * mib), int(one * mib)))
+    # Everything judged and computed: only now do vLLM's tables change.
+    for tp, limit in new_fused.items():
+        if limit is None:
+            del fused[tp]
+        else:
+            fused[tp] = limit
+    if new_oneshot:
+        oneshot.update(new_oneshot)
     _SM120PATCH_SEEN["vllm"] = used
     entry = next(iter(used.values()))
     line = "sm120patch tuned limits in force %s (profile %s, tuned %s)" % (
@@ -366,6 +377,7 @@ def _sm120patch_oneshot_floor(use_oneshot, token_num, world_size, capability):
     """vLLM's fused call: its one-shot choice, except that on SM120 at a TP size the profile narrowed
     a batch of no more tokens than ranks is one-shot (FlashInfer's two-shot asserts more tokens
     than ranks; a tuned one-shot limit below TP x hidden x itemsize bytes would ask for it)."""
-    if use_oneshot is False and capability == 120 and token_num <= world_size and world_size in _SM120PATCH_SEEN.get("vllm", {}):
+    narrowed = _SM120PATCH_SEEN.get("vllm", {})
+    if use_oneshot is False and capability == 120 and token_num <= world_size and world_size in narrowed:
         return True
     return use_oneshot
