@@ -91,9 +91,9 @@ class Analysis:
                     f"{NAMES[self.server]}'s: this is not a log of --server {self.server}",
                     hint=f"drop --server, or give --server {found}")
             self._begin(found)
-        logs = self.logs
+        logs = self.runs.logs
         proc, body, header = self.runs.process(text)
-        if header and logs.echo is not None and logs.echo.match(body):
+        if header and body.startswith(logs.echo):
             return  # a request echoed by --log-requests: the user's text, never the server's word
         rows = []
         if logs.firsts.search(text) is not None:
@@ -590,6 +590,8 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
 # "[pod/NAME/CONTAINER] " before each line of each pod: the replica. SGLang's own lines begin
 # "[" and a date, never a resource kind and a slash.
 REPLICA = re.compile(r"\[(?P<name>[a-z][a-z0-9.-]*/[^/\]\s]+/[^/\]\s]+)\] ")
+_DIGITS = frozenset("0123456789")
+_WRAPPED = frozenset("0123456789{")
 # Worst first: the overall verdict of several replicas is the worst of theirs.
 WORST = (CRASHED, FELL_BACK, NOT_REQUESTED, UNKNOWN_RELEASE, STARTING, FUSED)
 
@@ -607,19 +609,22 @@ class Fleet:
     def feed(self, raw: str) -> None:
         self.lines += 1
         name = None
-        if raw[:2] == "[p" or (raw[:1] == "[" and not raw[1:2].isdigit()):
+        first = raw[:1]
+        if first == "[" and raw[1:2] not in _DIGITS:  # SGLang's own "[" is its date's
             match = REPLICA.match(raw)
             if match is not None:
                 name, raw = match["name"], raw[match.end():]
+                first = raw[:1]
         analysis = self.replicas.get(name)
         if analysis is None:
             analysis = self.replicas[name] = self.make()
             self.unwrap[name] = Unwrap()
-        text = self.unwrap[name](raw)
-        if text is None:  # a partial record: the line goes on in the next one
-            analysis.lines += 1
-            return
-        analysis.feed(text, self.lines)
+        if first in _WRAPPED:  # what a container runtime wraps a line in starts with a date or "{"
+            raw = self.unwrap[name](raw)
+            if raw is None:  # a partial record: the line goes on in the next one
+                analysis.lines += 1
+                return
+        analysis.feed(raw, self.lines)
 
     def idle(self) -> None:
         for analysis in self.replicas.values():

@@ -93,8 +93,8 @@ class LogData:
     kernel_notes: tuple[KernelNote, ...]
     causes: tuple[Cause, ...] = ()
     firsts: re.Pattern = field(compare=False, default=None)  # any row's first fragment: a cheap pre-filter
-    # The start of a record that echoes a request (--log-requests): the user's text, never counted.
-    echo: re.Pattern | None = field(compare=False, default=None)
+    # The starts of the records that echo a request (--log-requests): the user's text, never counted.
+    echo: tuple[str, ...] = ()
 
     def covers(self, version: Version | None) -> bool:
         return version is not None and self.versions.contains(version, prereleases=True)
@@ -219,7 +219,7 @@ def parse_logs(path: Path, server: str, common: tuple[tuple[LogLine, ...], tuple
                    _regex(fmt["process"], f"{where}: format.process") if "process" in fmt else None,
                    tuple(rows), tuple(quiet), tuple(notes),
                    _causes(doc, where, step_required=False) + common[1], firsts,  # the server's causes first
-                   re.compile("|".join(map(re.escape, echo))) if echo else None)
+                   tuple(echo))
 
 
 def load_logs(server: str, directory: Path | None = None) -> LogData:
