@@ -120,7 +120,11 @@ def _stream(handle, name: str) -> Iterator[str]:
                         pass  # the rest of a long line: not matched, not kept
             except EOFError:  # a compressed file cut short (still being written): what it holds is read
                 raw = b""
-            except (gzip.BadGzipFile, zlib.error) as exc:
+            except gzip.BadGzipFile as exc:
+                raise UsageError(f"{name} is not a readable compressed log: {exc}") from None
+            except OSError:
+                raise  # the file could not be read (exit 4), as a plain one
+            except Exception as exc:  # noqa: BLE001 - each decompressor has its own error (gzip, zlib, zstd)
                 raise UsageError(f"{name} is not a readable compressed log: {exc}") from None
             if not raw:
                 lines.end()
