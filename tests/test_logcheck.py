@@ -1332,3 +1332,28 @@ def test_vllm_logging_prefix_keeps_the_workers_apart(tmp_path):
     code, doc = check(tmp_path, text)
     assert code == 0 and doc["verdict"] == "fused", doc
     assert sorted(r["rank"] for r in doc["ranks"]) == ["Worker_TP0", "Worker_TP1"], doc
+
+
+def test_vllm_cuda_graph_capture_oom_is_the_graphs_not_the_workspaces(tmp_path):
+    """An out-of-memory raised under the model runner's capture_model (the name read from the
+    wheel) is the graphs' memory; the same error elsewhere stays the workspace's."""
+    version = "0.29.0"
+    relpath = "vllm/v1/worker/gpu_model_runner.py"
+    assert "def capture_model(" in wheel_text("vllm", version, relpath)
+    namespace = {}
+    exec(compile("class OutOfMemoryError(RuntimeError):\n    __module__ = 'torch'\n"  # torch's own name
+                 "def capture_model():\n    raise OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
+                 "GPU 1 has a total capacity of 94.97 GiB')\n", SITE + relpath, "exec"), namespace)  # noqa: S102
+    try:
+        namespace["capture_model"]()
+    except RuntimeError:
+        tb = traceback.format_exc().rstrip("\n")
+    failed = logged("vllm", version, "vllm/v1/executor/multiproc_executor.py", "WorkerProc failed to start.")
+    text = vllm_run(version, "fused").rsplit("\n", 2)[0] + "\n"
+    code, doc = check(tmp_path, text + vllm_line(version, "Worker_TP1", "multiproc_executor.py", failed + "\n" + tb,
+                                                "ERROR"))
+    assert code == 1 and doc["verdict"] == "crashed" and "CUDA graph capture" in doc["fix"], doc
+    elsewhere = tb.replace("in capture_model", "in load_model")
+    code, doc = check(tmp_path, text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                                                failed + "\n" + elsewhere, "ERROR"))
+    assert code == 1 and "FlashInfer's workspace" in doc["fix"], doc

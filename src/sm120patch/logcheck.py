@@ -158,7 +158,8 @@ class Analysis:
                 if row.kind == kind and self._applies(row):
                     yield key, proc, row, body, match
 
-    def _fix(self, row_step: str | None, row_fix: str | None, text: str, proc=None) -> tuple[str | None, str | None]:
+    def _fix(self, row_step: str | None, row_fix: str | None, text: str, proc=None,
+             functions=frozenset()) -> tuple[str | None, str | None]:
         """The step and fix of a failure line, or of the cause its text names: a cause
         (out of memory), or an exception a signature row knows (a fell-back line that caught
         FlashInfer's JIT gate names the JIT gate, not the workspace). With ``proc``, the process's
@@ -169,7 +170,7 @@ class Analysis:
             said += [body for row, body, _ in reversed(proc.events) if row.kind in ("note", "fell-back")]
         signatures = [row for row in self.logs.lines if row.kind == "signature" and self._applies(row)]
         for line in said:
-            cause = self.logs.cause(line)
+            cause = self.logs.cause(line, functions)
             if cause is not None:
                 return cause.step, cause.fix
             signature = next((row for row in signatures if row.match(line)), None)
@@ -230,10 +231,10 @@ class Analysis:
 
         crash = self._crash(registry)
         if crash is not None:
-            signature, marker_proc, crash_info = crash
+            signature, marker_proc, crash_info, functions = crash
             pending = any(p.traceback is not None and p.traceback.active for p in self.processes.values())
             step, fix = self._fix(signature.step if signature else None, signature.fix if signature else None,
-                                  crash_info.exception or "")
+                                  crash_info.exception or "", functions=functions)
             where = f" ({marker_proc.label})" if marker_proc.label != MAIN else ""
             summary = f"crashed{where}: {crash_info.exception or crash_info.marker}"
             return LogCheckReport(**base, verdict=CRASHED, final=not pending, summary=summary, step=step, fix=fix,
@@ -411,6 +412,7 @@ class Analysis:
         chosen = next((p for p in candidates if p.tracebacks and any(t.exceptions for t in p.tracebacks)), None)
         _, marker_proc, _, marker_body, _ = sorted(markers, key=lambda m: not m[1].is_rank)[0]
         signature = exception = frame = frame_file = None
+        functions = frozenset()
         if chosen is not None:
             found = signature_of(chosen)
             if found is not None:
@@ -418,10 +420,10 @@ class Analysis:
             else:
                 tb = next(t for t in reversed(chosen.tracebacks) if t.exceptions)
                 exception = tb.exceptions[-1]
-            frame, frame_file = tb.frame, tb.frame_file
+            frame, frame_file, functions = tb.frame, tb.frame_file, frozenset(tb.functions)
             marker_proc = chosen if chosen.is_rank or not marker_proc.is_rank else marker_proc
         patched_by = _patched_by(frame_file, registry) if frame_file else None
-        return signature, marker_proc, Crash(marker_body, exception, frame, frame_file, patched_by)
+        return signature, marker_proc, Crash(marker_body, exception, frame, frame_file, patched_by), functions
 
     def _flag(self, registry) -> str | None:
         if registry is None:

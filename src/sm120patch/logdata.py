@@ -79,6 +79,7 @@ class Cause(NamedTuple):
     message: tuple[str, ...]  # any of these fragments in the line
     step: str | None  # None: a failure of no fusion step (the server's own, e.g. CUDA graph capture)
     fix: str
+    frames: tuple[str, ...] = ()  # only in a traceback that went through one of these functions
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class LogData:
     def covers(self, version: Version | None) -> bool:
         return version is not None and self.versions.contains(version, prereleases=True)
 
-    def cause(self, text: str) -> Cause | None:
-        return next((c for c in self.causes if any(m in text for m in c.message)), None)
+    def cause(self, text: str, functions=frozenset()) -> Cause | None:
+        return next((c for c in self.causes if any(m in text for m in c.message)
+                     and (not c.frames or functions.intersection(c.frames))), None)
 
 
 def _regex(value, where: str) -> re.Pattern:
@@ -179,7 +181,10 @@ def _causes(doc: dict, where: str, *, step_required: bool) -> tuple[Cause, ...]:
                 or not isinstance(raw.get("fix"), str)):
             raise PatchDataError(f"{cwhere}: needs message (fragments), step (one of {', '.join(STEPS)}"
                                  + ("" if step_required else ", or none: a failure of no fusion step") + ") and fix")
-        causes.append(Cause(tuple(message), step, raw["fix"]))
+        frames = raw.get("frames", [])
+        if not isinstance(frames, list) or not all(isinstance(f, str) and f for f in frames):
+            raise PatchDataError(f"{cwhere}: frames is a list of function names")
+        causes.append(Cause(tuple(message), step, raw["fix"], tuple(frames)))
     return tuple(causes)
 
 
