@@ -1357,3 +1357,26 @@ def test_vllm_cuda_graph_capture_oom_is_the_graphs_not_the_workspaces(tmp_path):
     code, doc = check(tmp_path, text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
                                                 failed + "\n" + elsewhere, "ERROR"))
     assert code == 1 and "FlashInfer's workspace" in doc["fix"], doc
+
+
+def test_new_run_in_a_fleet_waits_for_each_replicas_restart(tmp_path):
+    """--new-run on a stream of two replicas: each replica's verdict is that of its run that began
+    after check-log started."""
+    version = "0.5.9"
+    log = tmp_path / "fleet.log"
+    log.write_text(interleaved(pod("srv-a", sglang_run(version, "fused")), pod("srv-b", sglang_run(version, "fused"))))
+
+    def restart():
+        time.sleep(1.5)
+        with log.open("a") as f:
+            f.write(interleaved(pod("srv-a", sglang_run(version, "fused")),
+                                pod("srv-b", sglang_run(version, "fell-back"))))
+
+    writer = threading.Thread(target=restart)
+    writer.start()
+    result = run_cli("check-log", str(log), "--new-run", "--timeout", "60", "--json", "--server", "sglang",
+                     "--version", version)
+    writer.join()
+    doc = json.loads(result.output)
+    assert result.exit_code == 1 and doc["replica"] == "pod/srv-b/server" and not doc["timed_out"], doc
+    assert [(r["verdict"], r["run"], r["runs"]) for r in doc["replicas"]] == [("fused", 2, 2), ("fell-back", 2, 2)]
