@@ -1380,3 +1380,19 @@ def test_new_run_in_a_fleet_waits_for_each_replicas_restart(tmp_path):
     doc = json.loads(result.output)
     assert result.exit_code == 1 and doc["replica"] == "pod/srv-b/server" and not doc["timed_out"], doc
     assert [(r["verdict"], r["run"], r["runs"]) for r in doc["replicas"]] == [("fused", 2, 2), ("fell-back", 2, 2)]
+
+
+def test_sglang_dp_ranks_are_counted_and_dp_attention_does_not_double_them(tmp_path):
+    version = "0.5.9"
+    fragment, names = FUSED[version]
+    scopes = [f" DP{d} TP{t}" for d in (0, 1) for t in (0, 1)]
+    fused = "".join(sglang_line(version, scope, logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                      fragment, rank=i % 2, world_size=2, **names))
+                    for i, scope in enumerate(scopes)) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    settings = sglang_settings(version, 2, True).replace("tp_size=2, ", "tp_size=2, dp_size=2, ")
+    code, doc = check(tmp_path, settings + fused, "--server", "sglang", "--version", version)
+    assert code == 0 and doc["expected_ranks"] == 4 and "(4 of 4)" in doc["summary"], doc
+    attention = sglang_settings(version, 4, True).replace(
+        "tp_size=4, ", "tp_size=4, dp_size=2, ").replace(")", ", enable_dp_attention=True)")
+    code, doc = check(tmp_path, attention + fused, "--server", "sglang", "--version", version)
+    assert doc["expected_ranks"] == 4 and doc["verdict"] == "not-requested", doc
