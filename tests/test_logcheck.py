@@ -1086,6 +1086,8 @@ def test_compressed_rotations_are_read_by_content_with_and_without_follow(tmp_pa
                            timeout=120)
     doc = json.loads(piped.stdout)
     assert piped.returncode == 0 and (doc["run"], doc["runs"]) == (2, 2), piped
+    result = run_cli("check-log", str(rotated), "--new-run", "--timeout", "5", "--server", "sglang")
+    assert result.exit_code == 2 and "no run of the server can begin in it" in result.output, result.output
 
 
 def test_a_long_line_is_matched_by_its_start_and_the_log_is_still_read(tmp_path):

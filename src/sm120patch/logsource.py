@@ -340,6 +340,10 @@ def open_lines(source: str, *, follow: bool, deadline: float | None, mark_start:
     if follow and readable is handle:
         handle.close()
         return iter(Follower(path, until=info.st_size if mark_start else None))
+    if mark_start:
+        readable.close()
+        raise UsageError(f"{source} is compressed (a rotated log): no run of the server can begin in it after "
+                         "check-log starts", hint="give --new-run the live log the server writes")
     # A compressed file is a rotated one: it never grows, so --follow reads it to its end.
     return _stream(readable, source)
 
