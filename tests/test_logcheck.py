@@ -836,13 +836,16 @@ def test_a_fifo_without_a_writer_ends_at_the_timeout_and_a_closed_one_is_read(tm
     assert result.returncode == 0 and "Illegal seek" not in result.stderr, result
 
 
-@pytest.mark.parametrize("how", ["path", "stdin", "pipe"])
+@pytest.mark.parametrize("how", ["path", "stdin", "pipe", "no-newline"])
 def test_an_endless_source_is_refused_in_bounded_time(how):
     if how == "path":
         result = sm120patch("check-log", "/dev/zero")
     elif how == "stdin":
         with open("/dev/zero", "rb") as zero:
             result = sm120patch("check-log", "-", stdin=zero)
+    elif how == "no-newline":  # one endless "line": the part skipped past is judged too
+        result = subprocess.run(f"cat /dev/zero | {sys.executable} -m sm120patch check-log - --timeout 60", shell=True,
+                                capture_output=True, text=True, timeout=120)
     else:
         result = subprocess.run(f"cat /dev/urandom | {sys.executable} -m sm120patch check-log -", shell=True,
                                 capture_output=True, text=True, timeout=120)

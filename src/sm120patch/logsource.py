@@ -49,19 +49,30 @@ class _Lines:
         self.skipping = False  # inside a line longer than MAX_LINE: its rest is dropped
         self.read = self.binary = 0
         self.judged = False
+        self.nul = False  # the last line kept had a NUL in it
 
     def text(self, raw: bytes) -> str:
         text = raw.decode("utf-8", errors="replace")
         self.read += len(raw)
         # A NUL makes the line binary; else only the bytes that are not UTF-8 count (a log with
         # a few Latin-1 names in it is still a log).
-        if "\x00" in text:
+        self.nul = "\x00" in text
+        if self.nul:
             self.binary += len(raw)
         elif "\ufffd" in text:
             self.binary += text.count("\ufffd")
         if self.read >= BINARY_PROBE and not self.judged:
             self.judge()
         return text.rstrip("\r\n")
+
+    def skip(self, n: int) -> None:
+        """``n`` more bytes of a long line, not kept: read all the same (and binary if its start was),
+        so that a source without newlines (a pipe of zeros) is still judged at BINARY_PROBE."""
+        self.read += n
+        if self.nul:
+            self.binary += n
+        if self.read >= BINARY_PROBE and not self.judged:
+            self.judge()
 
     def judge(self) -> None:
         """Refuses the source if most of what was read is binary."""
@@ -76,14 +87,18 @@ class _Lines:
         if self.skipping:
             cut = data.find(b"\n")
             if cut < 0:
+                self.skip(len(data))
                 return
+            self.skip(cut + 1)
             self.skipping, data = False, data[cut + 1:]
         self.pending += data
         start = 0
         pending = self.pending
         while (cut := pending.find(b"\n", start)) >= 0:
             if cut - start > MAX_LINE:
-                yield self.text(pending[start:start + MAX_LINE])
+                line = self.text(pending[start:start + MAX_LINE])
+                self.skip(cut + 1 - start - MAX_LINE)
+                yield line
             else:
                 yield self.text(pending[start:cut + 1])
             start = cut + 1
@@ -116,10 +131,17 @@ def _stream(handle, name: str) -> Iterator[str]:
             try:
                 raw = handle.readline(MAX_LINE)
                 if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
-                    while (rest := handle.readline(CHUNK)) and not rest.endswith(b"\n"):
-                        pass  # the rest of a long line: not matched, not kept
+                    text = lines.text(raw)
+                    while rest := handle.readline(CHUNK):  # the rest of a long line: not matched, not kept
+                        lines.skip(len(rest))
+                        if rest.endswith(b"\n"):
+                            break
+                    yield text
+                    continue
             except EOFError:  # a compressed file cut short (still being written): what it holds is read
                 raw = b""
+            except UsageError:
+                raise  # binary data: said as it is
             except gzip.BadGzipFile as exc:
                 raise UsageError(f"{name} is not a readable compressed log: {exc}") from None
             except OSError:
