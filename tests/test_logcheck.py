@@ -1025,6 +1025,10 @@ def test_replicas_in_one_kubectl_prefix_stream_are_told_apart(tmp_path, server):
     assert code == 0 and doc["verdict"] == "fused", doc
     assert [(r["replica"], r["verdict"], r["runs"]) for r in doc["replicas"]] == [
         ("pod/srv-a/server", "fused", 1), ("pod/srv-b/server", "fused", 1)], doc
+    # kubectl's own lines in the stream (no replica, no server line) are not a replica.
+    noise = "Defaulted container \"server\" out of: server, init (init)\n"
+    code, doc = check(tmp_path, noise + both, *args)
+    assert code == 0 and len(doc["replicas"]) == 2, doc
     mixed = interleaved(pod("srv-a", run(version, "fused")), pod("srv-b", run(version, "fell-back")))
     code, doc = check(tmp_path, mixed, *args)
     assert code == 1 and doc["verdict"] == "fell-back" and doc["replica"] == "pod/srv-b/server", doc

@@ -551,7 +551,10 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
         return report
 
     def current(timed_out: bool = False) -> LogCheckReport:
-        return fleet.report([replica(name, analysis, timed_out) for name, analysis in fleet.replicas.items()],
+        # Lines of no replica that hold no server line (kubectl's own warnings in the stream) are no
+        # replica of the server: they do not make the fleet "no verdict".
+        read = {name: a for name, a in fleet.replicas.items() if a.runs is not None} or fleet.replicas
+        return fleet.report([replica(name, analysis, timed_out) for name, analysis in read.items()],
                             source, timed_out)
 
     # --follow: the first final verdict once what was there is read (the newest run of each replica
