@@ -100,6 +100,9 @@ def sglang_line(version: str, prefix: str, message: str) -> str:
     return formatter.format(logging.makeLogRecord({"msg": message, "levelname": "INFO"})) + "\n"
 
 
+VLLM_LOGGING_PREFIX = ""  # the environment variable the server ran with (a test may set it)
+
+
 def vllm_line(version: str, process: str | None, file: str, message: str, level: str = "INFO",
               pid: int | None = None) -> str:
     """vLLM's record format (every line of a multi-line message gets the header, as its
@@ -109,8 +112,8 @@ def vllm_line(version: str, process: str | None, file: str, message: str, level:
                and getattr(n.targets[0], "id", None) == "_FORMAT")
     datefmt = next(n.value.value for n in ast.walk(ast.parse(logger_src)) if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "_DATE_FORMAT")
-    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX=""),  # noqa: S307
-                                   "VLLM_LOGGING_PREFIX": ""})  # 0.11: imported from vllm.envs by name
+    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX=VLLM_LOGGING_PREFIX),  # noqa: S307
+                                   "VLLM_LOGGING_PREFIX": VLLM_LOGGING_PREFIX})  # 0.11: imported from vllm.envs by name
     pid = pid or 4000 + sum(map(ord, process or "MainProcess"))
     record = logging.makeLogRecord({"msg": "\x00", "levelname": level, "lineno": 42, "process": pid})
     record.fileinfo = file
@@ -1334,10 +1337,13 @@ def test_dp2_tp2_counts_four_ranks_and_notes_say_things_once(tmp_path):
     assert len([n for n in doc["notes"] if n.startswith("not counted:")]) == 1, doc
 
 
-def test_vllm_logging_prefix_keeps_the_workers_apart(tmp_path):
-    """VLLM_LOGGING_PREFIX comes first in 0.31+'s record format, before the process name."""
-    version = "0.33.0"
-    text = "".join("[replica-a] " + line + "\n" for line in vllm_run(version, "fused").splitlines())
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+def test_vllm_logging_prefix_keeps_the_workers_apart(tmp_path, monkeypatch, version):
+    """VLLM_LOGGING_PREFIX comes first in the record format (the wheel's own): from 0.31 before the
+    process name, before that after the worker's prefix."""
+    monkeypatch.setattr(sys.modules[__name__], "VLLM_LOGGING_PREFIX", "[replica-a] ")
+    text = vllm_run(version, "fused")
+    assert "[replica-a] " in text
     code, doc = check(tmp_path, text)
     assert code == 0 and doc["verdict"] == "fused", doc
     assert sorted(r["rank"] for r in doc["ranks"]) == ["Worker_TP0", "Worker_TP1"], doc
