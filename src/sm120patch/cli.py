@@ -592,7 +592,8 @@ def _world_size(value):
 @click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
 @click.option("--tune", is_flag=True,
               help="Measure where fusion wins at this TP size (one-shot, two-shot, NCCL + norm, each checked, then "
-                   "timed in repetitions) and write the limits into the profile the patched servers read.")
+                   "timed in repetitions; then sizes between two of --tokens until each limit is within 10 % of its "
+                   "crossover) and write the limits into the profile the patched servers read.")
 @click.option("--model", metavar="PATH", default=None,
               help="--tune: the model's config.json (its hidden_size and torch_dtype), instead of --hidden.")
 @click.option("--profile", "profile_path", metavar="PATH", default=None,

@@ -908,11 +908,15 @@ def render_tune(report: TuneReport) -> str:
         (names[s["name"]], s["column"]) for s in timed]
     lines += ["", f"  {'tokens':>6}  {'size':>8}" + "".join(f"  {title:>22}" for title, _ in columns)]
     for row in rows:
-        lines.append(f"  {row['tokens']:>6}  {_size(row['bytes']):>8}" + "".join(
+        tokens = f"{row['tokens']}*" if row.get("probe") else str(row["tokens"])
+        lines.append(f"  {tokens:>6}  {_size(row['bytes']):>8}" + "".join(
             f"  {_timing(row, column):>22}" for _, column in columns))
+    if any(row.get("probe") for row in rows):
+        lines.append("  * measured to narrow a limit down (between two sizes asked for, the same checks and "
+                     "repetitions)")
     for tie in limits.ties:
         lines.append(f"  tie at {_size(tie['bytes'])}: {' and '.join(names.get(p, p) for p in tie['paths'])} are within "
-                     "each other's interquartile range")
+                     "the noise of the repetitions (their interquartile ranges and their medians' notches overlap)")
     lines.append("")
     last_fused = max((r["tokens"] for r in rows if r["bytes"] <= limits.fused_max_bytes), default=0)
     if limits.never_fused:
