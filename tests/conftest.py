@@ -176,7 +176,7 @@ SPREAD_FILES = ("test_fault_injection.py",)
 # about half a minute (seconds of test time in docs/benchmarks.md, longest first); every other
 # file after them, in collection order.
 FIRST = ("test_containers.py", "test_matrix.py", *RUNTIME_FILES, "test_vllm.py", "test_releases.py",
-         "test_logcheck.py", "test_ansible.py", "test_source.py", "test_situations.py", *SPREAD_FILES,
+         "test_logcheck.py", "test_ansible.py", "test_source.py", "test_situations.py", "test_hardening.py", *SPREAD_FILES,
          "test_reliability_four.py", "test_hints.py", "test_manifests.py")
 
 

@@ -16,6 +16,7 @@ from sm120patch.trees import FileRead, TreeWords
 
 class MemoryTree:
     judged_by_meaning = False  # the release's hashes are given, as a RECORD gives them
+    keeps_ledger = True
     dist_info = None
 
     def __init__(self, distribution: Distribution, raw_version: str, files: dict[str, bytes],

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import COMM, HEADER, ROOT, changed, snapshot
+from test_hardening import small_sglang_checkout
 
 COLLECTIONS = ROOT / "integrations" / "ansible"
 COLLECTION = COLLECTIONS / "ansible_collections" / "sm120patch" / "fleet"
@@ -186,3 +187,30 @@ def test_check_log_module_waits_for_the_verdict(ansible, tmp_path):
     fused, still = results(play(ansible, tmp_path, [task, waiting]))
     assert fused["verdict"] == "fused" and fused["exit_code"] == 0 and not fused.get("failed"), fused
     assert still["failed"] is True and still["exit_code"] == 5 and still["verdict"] == "starting", still
+
+
+def test_ansible_on_an_editable_install_changes_only_when_bytes_change_and_check_mode_is_exact(
+        ansible, serving_env, sglang_wheel, tmp_path):
+    """SGLang installed editable (pip's direct_url.json) from a checkout: `state: present` reports
+    changed once, then never again (a notify handler restarts the server once); `state: absent`
+    in check mode predicts exactly, and never fails the host for having nothing to do."""
+    checkout = small_sglang_checkout(tmp_path / "sglang", sglang_wheel)
+    dist_info = next(serving_env.site_packages.glob("sglang-*.dist-info"))
+    (dist_info / "direct_url.json").write_text(json.dumps({"url": checkout.as_uri(), "dir_info": {"editable": True}}))
+    nothing = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert nothing[0]["changed"] is False and not nothing[0].get("failed"), nothing
+    first, second = results(play(ansible, tmp_path, [patch_task(serving_env), patch_task(serving_env)]))
+    assert first["changed"] is True and not first.get("failed"), first
+    head = git_head(checkout)
+    assert second["changed"] is False and not second.get("failed"), second
+    assert git_head(checkout) == head
+    would = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")], "--check"))
+    assert would[0]["changed"] is True and not would[0].get("failed"), would
+    assert git_head(checkout) == head  # check mode changed nothing
+    absent, again = results(play(ansible, tmp_path, [patch_task(serving_env, state="absent")] * 2))
+    assert absent["changed"] is True and again["changed"] is False and not again.get("failed"), again
+
+
+def git_head(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--abbrev-ref", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()

@@ -327,6 +327,7 @@ def test_enospc_and_eio_on_every_write_and_rename_change_nothing(sandboxes, comm
         assert proc.stderr.startswith("sm120patch: error: "), f"{where}: {proc.stderr}"
         message = "No space left on device" if "ENOSPC" in action else "Input/output error"
         assert message in proc.stderr and "()" not in proc.stderr, f"{where}: {proc.stderr}"
+        assert re.search(rf"{message} \({re.escape(str(box.base))}/", proc.stderr), f"{where}: names no path: {proc.stderr}"
         diff = changed(before_snapshot, snapshot(box.env))
         assert diff == [], f"{where}: changed {diff}"
 

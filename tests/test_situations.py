@@ -144,12 +144,17 @@ def test_a_lock_wait_that_is_not_seconds_is_one_usage_line(sm120patch, serving_e
     assert changed(before, snapshot(serving_env)) == []
 
 
-def test_status_during_a_run_says_a_run_is_in_progress_not_interrupted(sm120patch, serving_env, held_install_lock):
+def test_status_during_a_run_says_a_run_is_in_progress_not_interrupted(sm120patch, serving_env, held_install_lock,
+                                                                      monkeypatch):
     (serving_env.state_root).mkdir(mode=0o700)
     (serving_env.state_root / "journal.json").write_text(
         '{"format": 2, "operation": "apply", "run": "x", "pid": 1, "roots": [], "entries": []}')
+    monkeypatch.setenv("SM120PATCH_LOCK_WAIT", "0.5")  # status waits for the run as long as this, then says so
     status = sm120patch("status")
-    assert "is running apply here right now" in status.output and "interrupted" not in status.output
+    assert status.exit_code == ExitCode.FAILED
+    one_clear_error(status.output, f"a run is in progress: another sm120patch is changing {serving_env.site_packages}: "
+                                   "another sm120patch (pid 1) is running apply here right now")
+    assert "interrupted" not in status.output
 
 
 # -- 2. install identity -------------------------------------------------------------------------

@@ -214,9 +214,6 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
     located = locate(request, registry)
     if not located.trees and not located.orphans():  # (with orphans: the revert removes them)
         raise _nothing_installed(located, registry, request)
-    if request.dry_run and located.checkouts:
-        raise UsageError("revert --dry-run reads installed environments; in a checkout, sm120patch's change is its "
-                         "commit on its own branch", hint="`git log -1 -p` on that branch shows it")
     report = ChangeReport("revert", located.target, dry_run=request.dry_run, routed=located.routed,
                           chosen_by=located.chosen_by)
     with _hold(located, request):
@@ -228,7 +225,7 @@ def revert(request: Request, registry: Registry | None = None) -> ChangeReport:
             _clean_leftovers(located, request, report)
         plans = []
         for tree in located.trees:
-            undo = tree.revert_by_record()
+            undo = tree.revert_by_record(dry_run=request.dry_run)
             if undo is not None:
                 report.results.append(Result(tree.distribution.name, tree.raw_version, tree.words.label, tree.words.kind,
                                              undo=undo))

@@ -12,15 +12,17 @@ sm120patch's own note of what it did is ``.git/sm120patch.json``: never part of 
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import stat
 import re
-import shlex
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from packaging.version import Version
 
-from sm120patch import __version__
+from sm120patch import __version__, terminal
 from sm120patch.distributions import Distribution, Registry
 from sm120patch.environment import version_or_none
 from sm120patch.errors import RefusedError, TargetError
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # a plan is only handed in: status, which opens checkouts, ne
 
 class CheckoutTree:
     judged_by_meaning = True  # HEAD is not a release's bytes: each patch's semantic check says
+    keeps_ledger = False  # the commit is the record
     dist_info = None
 
     def __init__(self, root: Path, distribution: Distribution, raw_version: str, repo,
@@ -109,9 +112,10 @@ class CheckoutTree:
         writes.undo.append(lambda: revert_checkout(self))
         return commit
 
-    def revert_by_record(self) -> Undo:
-        """Back to the user's branch: the commit is the record of what sm120patch did."""
-        return revert_checkout(self)
+    def revert_by_record(self, *, dry_run: bool = False) -> Undo:
+        """Back to the user's branch: the commit is the record of what sm120patch did (a dry
+        run says what that would do, and refuses what it would refuse)."""
+        return revert_checkout(self, dry_run=dry_run)
 
     def pending(self, revert_command: str) -> tuple[None, bool]:
         return None, False  # a commit is made or not: nothing is left half done
@@ -143,6 +147,7 @@ def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
     except git.NoSuchPathError:
         raise TargetError(f"--source {path}: no such directory") from None
     root = Path(repo.working_tree_dir)
+    _refuse_untrusted(repo, root)
     for distribution in registry:
         layout = distribution.checkout
         if layout is None or not layout.matches(root):
@@ -159,6 +164,36 @@ def open_checkout(path: str | Path, registry: Registry) -> CheckoutTree:
         return CheckoutTree(root, distribution, version, repo, pristine)
     names = ", ".join(d.name for d in registry if d.checkout)
     raise TargetError(f"--source {path}: a git checkout, but of none of {names}")
+
+
+def _refuse_untrusted(repo, root: Path) -> None:
+    """git refuses every command in a checkout another user owns (root on a service user's
+    clone: "detected dubious ownership", CVE-2022-24765) unless safe.directory names it; every
+    later git answer (the release tag, the branch) would then be an error read as "none". Said
+    here once, in git's words, with the two ways out."""
+    import git
+
+    try:
+        repo.git.rev_parse("--git-dir")
+    except git.GitCommandError as exc:
+        said = str(exc.stderr or "")
+        if "dubious ownership" not in said:
+            return  # a checkout git reads: what is asked of it next says what is wrong
+        line = next((part.strip() for part in said.replace("'", "").splitlines() if "dubious ownership" in part),
+                    said.strip())
+        line = line.removeprefix("stderr:").strip().removeprefix("fatal:").strip()
+        try:
+            uid = root.stat().st_uid
+        except OSError:
+            uid = None
+        try:
+            name = pwd.getpwuid(uid).pw_name if uid is not None else None
+        except KeyError:  # an owner with no passwd entry: named by number
+            name = f"uid {uid}"
+        owner = f"run sm120patch as {name}, who owns it, or " if name else ""
+        raise TargetError(f"--source {root}: git refuses to read it: {line} (this user, uid {os.geteuid()}, does not "
+                          "own it)", hint=f"{owner}trust it for this user: `git config --global --add safe.directory "
+                          f"{terminal.quote(str(root))}`") from None
 
 
 def _describe(repo) -> str | None:
@@ -237,32 +272,79 @@ def read_note(tree: CheckoutTree) -> dict | None:
                            hint="delete it, and sm120patch's branch if there is one, by hand") from None
 
 
-def revert_checkout(tree: CheckoutTree) -> Undo:
+def revert_checkout(tree: CheckoutTree, *, dry_run: bool = False) -> Undo:
     """Back to the branch the user was on; sm120patch's branch is deleted only when nobody
-    committed to it."""
+    committed to it. ``dry_run``: what that would do, changing nothing."""
     repo = tree.repo
     note = read_note(tree)
     if not note:
-        return Undo(f"{tree.distribution.name} {tree.raw_version}: sm120patch made no commit in {tree.root}; nothing to revert", False)
+        return Undo(f"sm120patch made no commit in {tree.root}; nothing to revert", False)
     branch = note["branch"]
     if branch not in repo.heads:
+        if dry_run:
+            return Undo(f"{branch} is gone already; would remove sm120patch's note of it", True)
         tree.state_path.unlink()
         return Undo(f"{branch} is gone already; nothing to revert", True)
     if repo.heads[branch].commit.hexsha != note["commit"]:
         raise RefusedError(f"{branch} has commits sm120patch did not make; refusing to delete it",
-                           hint=f"`git checkout {shlex.quote(note['original'])}` and delete the branch yourself when you are done with it")
+                           hint=f"`git checkout {terminal.quote(note['original'])}` and delete the branch yourself when you are done with it")
     refuse_dirty(tree)
+    if dry_run:
+        return Undo(f"would go back to {note['original']} and delete {branch}", True)
     repo.git.checkout(note["original"])
     repo.delete_head(branch, force=True)
     tree.state_path.unlink()
     return Undo(f"back on {note['original']}; deleted {branch}", True)
 
 
-def export(tree: CheckoutTree, out: Path) -> list[Path]:
+def export(tree: CheckoutTree, out: Path, *, force: bool = False) -> list[Path]:
+    """sm120patch's commit as `git format-patch` files in ``out``. A file of the same name there
+    that is not an export of this commit (the user's own) is never replaced unless ``force``:
+    the files are made in a directory of their own inside ``out``, then linked into place, which
+    fails rather than replace a file that appeared meanwhile; nothing is written when one is refused."""
     note = read_note(tree)
     if not note:
         raise RefusedError(f"sm120patch has made no commit in {tree.root}",
                            hint=f"run `{command('apply', ('--source', str(tree.root)))}` first")
+    import shutil  # here: status imports this module, and neither of these (docs/benchmarks.md)
+    import tempfile
+
     out.mkdir(parents=True, exist_ok=True)
-    names = tree.repo.git.format_patch("-1", note["commit"], "-o", str(out)).splitlines()
-    return [Path(name) for name in names if name.strip()]
+    staging = Path(tempfile.mkdtemp(prefix=".sm120patch-export-", dir=out))
+    try:
+        names = tree.repo.git.format_patch("-1", note["commit"], "-o", str(staging)).splitlines()
+        made = [Path(name) for name in names if name.strip()]
+        if not force:
+            for path in made:
+                _refuse_theirs(out / path.name, note["commit"], tree, out)
+        written = []
+        for path in made:
+            target = out / path.name
+            if force:
+                os.replace(path, target)  # a link in its place is replaced, never written through
+            else:
+                try:
+                    os.link(path, target)
+                except FileExistsError:  # there now, made meanwhile: judged again, replaced only if ours
+                    _refuse_theirs(target, note["commit"], tree, out)
+                    os.replace(path, target)
+            written.append(target)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_theirs(target: Path, commit: str, tree: CheckoutTree, out: Path) -> None:
+    """Refused: ``target`` exists and is not an export of ``commit`` (format-patch's first line
+    names the commit it was made from); a regular file that is one is sm120patch's to replace."""
+    try:
+        info = target.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(info.st_mode):
+        with open(target, "rb") as handle:
+            if handle.readline(200).startswith(f"From {commit} ".encode()):
+                return
+    again = command("export", ("--source", str(tree.root)), ("--out", str(out)), ("--force", None))
+    raise RefusedError(f"{target} exists and is not sm120patch's export of this commit; nothing was written",
+                       hint=f"choose another --out, or `{again}` replaces it")

@@ -16,10 +16,11 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 import click
 
-from sm120patch import __version__, signals
+from sm120patch import __version__, signals, terminal
 from sm120patch.errors import ExitCode, Sm120PatchError
 
 
@@ -77,10 +78,7 @@ INTERRUPTED = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); the change
 INTERRUPTED_READING = (130, "interrupted: Ctrl-C (143: SIGTERM, 129: SIGHUP); nothing of the environment was changed")
 
 
-def one_line(text: str) -> str:
-    """A message as one line: a newline (or another control character) in a value the user gave
-    is shown escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+one_line = terminal.one_line  # a message as one line, every control (a newline too) shown escaped
 
 
 def handle(exc: BaseException) -> int:
@@ -88,7 +86,7 @@ def handle(exc: BaseException) -> int:
     if isinstance(exc, Sm120PatchError):
         click.echo(f"sm120patch: error: {one_line(exc.message)}", err=True)
         if exc.hint_line:
-            click.echo(f"hint: {exc.hint_line}", err=True)
+            click.echo(f"hint: {terminal.visible(exc.hint_line)}", err=True)  # a diff keeps its lines
         return int(exc.exit_code)
     if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `sm120patch` alone: what it is and does
         click.echo(exc.ctx.get_help())
@@ -117,14 +115,19 @@ def handle(exc: BaseException) -> int:
                        err=True)
         return signals.exit_code(signum)
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
-        where = f" ({exc.filename})" if exc.filename else ""
-        click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
+        click.echo(one_line(f"sm120patch: error: {_os_error(exc)}"), err=True)
         if isinstance(exc, PermissionError) and exc.filename:  # which user to run as, or which mode to change
             from sm120patch.state import permission_hint
 
-            click.echo(f"hint: {permission_hint(Path(str(exc.filename)))}", err=True)
+            click.echo(f"hint: {one_line(permission_hint(Path(str(exc.filename))))}", err=True)
         return int(ExitCode.FAILED)
     raise exc
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError outside a transaction, as its error line says it (after ``error: ``)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}; nothing was changed"
 
 
 def _command_name(ctx: click.Context) -> str:
@@ -154,11 +157,19 @@ class Command(click.Command):
         except Sm120PatchError as exc:  # its hint may repeat this command, corrected
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
-                from sm120patch.render import json_document
-
-                error = {"error": {"message": exc.message, "hint": exc.hint_line, "exit_code": int(exc.exit_code)}}
-                emit(json.dumps(json_document(_command_name(ctx), exc.exit_code, error), indent=2))
+                _error_document(ctx, exc.message, exc.hint_line, exc.exit_code)
             raise
+        except OSError as exc:  # handle() makes it exit 4 with its one line; --json gets its document too
+            if ctx.params.get("as_json") and not _emitted and not isinstance(exc, BrokenPipeError):
+                _error_document(ctx, _os_error(exc), None, ExitCode.FAILED)
+            raise
+
+
+def _error_document(ctx: click.Context, message: str, hint: str | None, code: int) -> None:
+    from sm120patch.render import json_document
+
+    error = {"error": {"message": message, "hint": hint, "exit_code": int(code)}}
+    emit(json.dumps(json_document(_command_name(ctx), code, error), indent=2))
 
 
 class Group(click.Group):
@@ -206,11 +217,19 @@ def _stdout_closed() -> None:
         pass
 
 
-def emit(text: str, *, nl: bool = True) -> None:
+def emit(text: str, *, nl: bool = True, colour: Callable[[str], str] = str, data: bool = False) -> None:
+    """``text`` on stdout, every control character in it but newline and tab made visible
+    (terminal.visible): a drifted file's escape sequences in a diff, a path's, never reach the
+    terminal as such; then ``colour``, sm120patch's own (render.paint). ``data``: a patch
+    (`diff > sm120.patch`), written exact where stdout is no terminal, so that `patch` applies it."""
     global _emitted
     if text:
         try:
-            click.echo(text, nl=nl)
+            exact = data and not sys.stdout.isatty()
+            if exact:  # (color=True: click would take CSI sequences out of it, off a terminal)
+                click.echo(text, nl=nl, color=True)
+            else:
+                click.echo(colour(terminal.visible(text)), nl=nl)
         except BrokenPipeError:
             _stdout_closed()
         _emitted = True
@@ -318,10 +337,10 @@ def request_from(*, python=None, source=None, jit_cache_base=None, wheel_dir=Non
     return pipeline.Request(python=python, source=source, selectors=chosen, with_ids=ids, force=force,
                             dry_run=dry_run, jit_base=jit_cache_base, wheel_dir=wheel_dir, build=build, arch=arch,
                             on_build_step=on_build_step, probe=probe,
-                            on_wait=lambda text: click.echo(f"sm120patch: {text}", err=True))
+                            on_wait=lambda text: click.echo(one_line(f"sm120patch: {text}"), err=True))
 
 
-def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True) -> int:
+def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = True, data: bool = False) -> int:
     """Every command's end: the report as text or as its --json document (``note``: given the
     report and its text, a line for stderr, or None), then each error it carries through
     :func:`handle` (the change it reports stands); the command returns the report's exit code,
@@ -329,14 +348,16 @@ def show(report, as_json: bool, text, document=None, *, note=None, nl: bool = Tr
     from sm120patch import progress, render
 
     ctx = click.get_current_context()
-    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour()  # the text is for this stdout
+    # The text is for this stdout: its width, and its colours, painted after terminal.visible
+    # (which would show sm120patch's own escape sequences as text too).
+    render.COLUMNS, render.COLOUR = render.terminal_width(), render.colour() and not as_json
     rendered = (json.dumps(render.json_document(_command_name(ctx), report.exit_code, document(report)), indent=2)
                 if as_json else text(report))
     if as_json or not progress.QUIET:
-        emit(rendered, nl=nl or as_json)
+        emit(rendered, nl=nl or as_json, colour=render.paint, data=data and not as_json)
         said = note(report, rendered) if note is not None else None
         if said:
-            click.echo(said, err=True)
+            click.echo(terminal.visible(said), err=True)
     for error in report.errors:
         error.invocation = invocation(ctx)
         handle(error)
@@ -375,7 +396,8 @@ def cli(quiet) -> None:
                             (1, "something is not patched, partly patched, or has no patch set; or none of the "
                                 "distributions sm120patch patches is installed there"), USAGE,
                             (3, "a file is not the release's bytes (drift), or an interrupted run"),
-                            (4, "failed to read the environment's state"), INTERRUPTED_READING]))
+                            (4, "failed to read the environment's state, or a run in progress (apply, revert) "
+                                "held it longer than SM120PATCH_LOCK_WAIT (10 s)"), INTERRUPTED_READING]))
 @python_option
 @source_option
 @selector_options
@@ -509,7 +531,7 @@ def diff(with_ids, python, source, force, **selectors):
     from sm120patch import changes, render
 
     report = changes.diff(request_from(python=python, source=source, with_ids=with_ids, force=force, **selectors))
-    return show(report, False, render.render_diff, note=render.diff_note, nl=False)
+    return show(report, False, render.render_diff, note=render.diff_note, nl=False, data=True)
 
 
 @cli.command(short_help="Prove the patched state: hashes, semantics, runtime, compile, build.",
@@ -700,16 +722,19 @@ def check_log(log, server, server_version, python, follow, new_run, timeout, as_
 
 @cli.command(short_help="Write sm120patch's commit in a checkout as git format-patch files.",
              epilog=epilog(["sm120patch export --source ~/src/flashinfer --out /tmp/sm120-patches"],
-                           [(0, "written"), USAGE_NO_TARGET, (3, "sm120patch made no commit there")]))
+                           [(0, "written"), USAGE_NO_TARGET,
+                            (3, "sm120patch made no commit there, or --out has a file of a patch's name that is not "
+                                "this commit's export (nothing was written)")]))
 @click.option("--source", metavar="DIR", required=True, help="The git checkout sm120patch committed to.")
 @click.option("--out", metavar="DIR", required=True, type=click.Path(file_okay=False), help="Where to write the patch files.")
-def export(source, out):
+@click.option("--force", is_flag=True, help="Replace a file of the same name in --out that is not this commit's export.")
+def export(source, out, force):
     """Write sm120patch's commit as `git format-patch` files (for `git am`, or upstream)."""
     from sm120patch import checkout, distributions, render
     from sm120patch.reports import ExportReport
 
     tree = checkout.open_checkout(source, distributions.load_registry(full=False))
-    return show(ExportReport(checkout.export(tree, Path(out))), False, render.render_export)
+    return show(ExportReport(checkout.export(tree, Path(out), force=force)), False, render.render_export)
 
 
 @cli.command("list", short_help="The support matrix: releases, patches, upstream fixes.",

@@ -21,6 +21,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
+from sm120patch import terminal
 from sm120patch.errors import Sm120PatchError, TargetError
 from sm120patch.fileio import NotRegularFile, read_regular
 from sm120patch.state import InstallState
@@ -178,13 +179,12 @@ class Environment(NamedTuple):
 
     def reinstall_command(self, dist: InstalledDistribution) -> str:
         """The command that puts the release's bytes back, for this environment's installer."""
-        import shlex
 
         spec = f"{dist.name}=={dist.raw_version}"
         if dist.installer == "uv":
-            return shlex.join(["uv", "pip", "install", "--python", str(self.executable), "--reinstall", "--no-deps", spec])
+            return terminal.join(["uv", "pip", "install", "--python", str(self.executable), "--reinstall", "--no-deps", spec])
         target = ["--target", str(dist.site_dir)] if not _on_sys_path_of(self, dist) else []
-        return shlex.join([str(self.executable), "-m", "pip", "install", "--force-reinstall", "--no-deps", *target, spec])
+        return terminal.join([str(self.executable), "-m", "pip", "install", "--force-reinstall", "--no-deps", *target, spec])
 
 
 def _on_sys_path_of(env: Environment, dist: InstalledDistribution) -> bool:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import enum
 import os
-import shlex
 from typing import Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import __version__
+from sm120patch import __version__, terminal
 
 
 class ExitCode(enum.IntEnum):
@@ -71,7 +70,7 @@ class Sm120PatchError(Exception):
                 corrected = corrected.replaced(option, value)
             command = str(corrected)
         else:
-            command = shlex.join(word for option, value in self.fix for word in (option, value) if word is not None)
+            command = terminal.join(word for option, value in self.fix for word in (option, value) if word is not None)
         return f"`{command}`" + (f" {self.hint}" if self.hint else "")
 
 

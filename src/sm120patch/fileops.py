@@ -44,8 +44,10 @@ def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None,
             os.close(fd)
         _take_attributes(tmp, like, owner)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a write, an fsync (ENOSPC, EIO): the file it was for
+            exc.filename = str(path)
         raise
     fsync_dir(path.parent)
 

@@ -6,6 +6,7 @@ the originals and the ledger. Its plans join the one transaction over every inst
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from sm120patch.distributions import Distribution
 from sm120patch.environment import Environment, InstalledDistribution
 from sm120patch.errors import Sm120PatchError
 from sm120patch.hashing import sha256
+from sm120patch.invocation import command
 from sm120patch.jitcache import AotShadow, JitStatus
 from sm120patch.journal import journal_at, read_journal
 from sm120patch.locks import someone_holds
@@ -27,8 +29,14 @@ if TYPE_CHECKING:  # a plan is only handed in: status, which makes installs, nev
     from sm120patch.plan import Plan, Writes
 
 
+def _canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares it (a .dist-info directory spells it with _)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 class InstalledTree:
     judged_by_meaning = False  # the RECORD gives the release's hash of every file
+    keeps_ledger = True
 
     def __init__(self, env: Environment, dist: InstalledDistribution, distribution: Distribution) -> None:
         self.env = env
@@ -58,9 +66,39 @@ class InstalledTree:
     def owner(self) -> Owner:
         return Owner.of(self.dist.site_dir)
 
+    def from_pythonpath(self) -> str | None:
+        """Where the interpreter found this copy only because PYTHONPATH names its directory (the
+        probe runs the interpreter with sm120patch's own environment: the interpreter is the truth
+        about what it imports with it): which copy, and what a server started without that
+        PYTHONPATH (a systemd unit, a container's entry point) imports instead. None: the
+        interpreter's own copy."""
+        entries = [Path(p).absolute() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        site_dir = self.dist.site_dir.absolute()
+        if site_dir not in entries or any(site_dir.is_relative_to(p) for p in (self.env.prefix, self.env.base_prefix) if p):
+            return None
+        wanted = _canonical(self.dist.name)
+        behind = None
+        for directory in self.env.search_path:
+            if directory.absolute() == site_dir or directory.absolute() in entries:
+                continue
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            found = sorted(n for n in names if n.endswith(".dist-info")
+                           and _canonical(n[:-len(".dist-info")].rpartition("-")[0]) == wanted)
+            if found:
+                behind = (directory, found[0][:-len(".dist-info")].rpartition("-")[2])
+                break
+        without = (f"imports the copy in {behind[0]} ({self.dist.name} {behind[1]}), which this run leaves as it is "
+                   f"(`env -u PYTHONPATH {command('apply', ('--python', str(self.env.executable)))}` patches that one)" if behind
+                   else f"has no {self.dist.name} at all")
+        return (f"a directory on PYTHONPATH ({self.dist.site_dir}), which the interpreter imports only while "
+                f"PYTHONPATH names it: a server started without it {without}")
+
     @property
     def words(self) -> TreeWords:
-        shared = None
+        shared = self.from_pythonpath()
         if self.env.shares_base(self.dist):
             # A venv made with --system-site-packages reads its base interpreter's packages.
             shared = (f"the base interpreter's packages ({self.env.base_prefix}), which this environment reads through "
@@ -143,7 +181,7 @@ class InstalledTree:
         writes.transaction.append((self, plan))
         return None
 
-    def revert_by_record(self) -> None:
+    def revert_by_record(self, *, dry_run: bool = False) -> None:
         return None  # revert plans the release's bytes back, from the ledger
 
     def pending(self, revert_command: str) -> tuple[str | None, bool]:

@@ -5,8 +5,9 @@ so that it works when copied as printed, whatever the paths hold."""
 
 from __future__ import annotations
 
-import shlex
 from typing import NamedTuple
+
+from sm120patch import terminal
 
 PROGRAM = "sm120patch"
 
@@ -32,7 +33,7 @@ class Invocation(NamedTuple):
         return words
 
     def __str__(self) -> str:
-        return shlex.join(self.words)
+        return terminal.join(self.words)
 
 
 def command(words: str, *options: tuple[str, str | None]) -> str:

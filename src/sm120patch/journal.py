@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from sm120patch import __version__
+from sm120patch import __version__, terminal
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.state import Owner, stash_root, state_root
@@ -107,8 +107,6 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> Journal |
 
 
 def _no_access(directory: Path) -> TransactionError:
-    import shlex
-
     try:
         owner = Owner.of(directory)
     except OSError:
@@ -117,7 +115,7 @@ def _no_access(directory: Path) -> TransactionError:
     return TransactionError(
         f"sm120patch's state directory {directory} cannot be read by this user (uid {os.geteuid()}): permission "
         "denied; nothing was changed",
-        hint=f"chmod 700 {shlex.quote(str(directory))}" if mine else
+        hint=f"chmod 700 {terminal.quote(str(directory))}" if mine else
              f"run sm120patch as {owner.user}, who owns it" if owner else None)
 
 

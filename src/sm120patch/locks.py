@@ -137,6 +137,48 @@ def install_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] |
     return stack
 
 
+def read_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | None = None,
+               timeout: float | None = None, busy: Callable[[Path], str] | None = None) -> ExitStack:
+    """What a reader (status, and every command that reads through it) holds while it reads an
+    install location's files and sm120patch's state there: a shared flock on the directory, the
+    one a writer (:func:`install_locks`) holds exclusively for its whole run. So a reader sees
+    the state before a run or after it, never its middle (a journal, a ledger of files not yet
+    written, originals a revert is removing); readers never wait for each other. A run that
+    holds it past ``timeout`` (None: lock_wait()) is said as such: a run is in progress
+    (``busy``: what that run is, in words, from its journal)."""
+    if timeout is None:
+        timeout = lock_wait()
+    stack = ExitStack()
+    try:
+        for site_dir in sorted(set(site_dirs)):
+            try:
+                fd = os.open(site_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:  # not there, or not readable: what reads it next says so
+                continue
+            stack.callback(os.close, fd)  # closing releases the lock
+            deadline, told = time.monotonic() + timeout, False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                if time.monotonic() >= deadline:
+                    what = busy(site_dir) if busy else f"another sm120patch is changing {site_dir}"
+                    raise TransactionError(
+                        f"a run is in progress: {what}; gave up waiting for it after {timeout:g} s; nothing was read",
+                        hint=f"run again when it has finished ({LOCK_WAIT_VARIABLE}=SECONDS waits longer)")
+                if on_wait and not told:
+                    on_wait(f"waiting: another sm120patch is changing {site_dir} ...")
+                    told = True
+                time.sleep(0.05)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 def someone_holds(path: Path) -> bool:
     """Whether someone holds the flock on ``path`` right now: an sm120patch run changing an
     install location (a status must not call its journal an interrupted run), FlashInfer

@@ -18,7 +18,7 @@ from sm120patch.edits import apply_edits
 from sm120patch.errors import PatchDataError
 from sm120patch.hashing import sha256
 from sm120patch.patchsets import Patch, PatchSet
-from sm120patch.wheels import check_release, damaged, read_wheel
+from sm120patch.wheels import check_release, damaged, read_member, read_wheel
 
 FORMAT = 1
 
@@ -92,7 +92,7 @@ def build_manifest(wheel: Path, patch_set: PatchSet) -> dict:
         for relpath in patch_set.files:
             if relpath not in record:
                 raise PatchDataError(f"{wheel.name}: {relpath} is not in the wheel's RECORD")
-            pristine = archive.read(relpath)
+            pristine = read_member(archive, relpath)
             if sha256(pristine) != record[relpath]:
                 raise PatchDataError(f"{wheel.name}: {relpath} does not match the wheel's RECORD")
             patches = patch_set.patches_for(relpath)

@@ -11,7 +11,6 @@ happens under the lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import chain, tunedlimits
+from sm120patch import chain, terminal, tunedlimits
 from sm120patch.assess import assess, present_by_meaning
 from sm120patch.checkout import CheckoutTree, open_checkout
 from sm120patch.distributions import ANY, Registry, load_registry
@@ -27,7 +26,8 @@ from sm120patch.environment import Environment, Probe, start_probe
 from sm120patch.errors import NewerFormatError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.installed import InstalledTree
 from sm120patch.invocation import command
-from sm120patch.journal import journal_at
+from sm120patch.journal import journal_at, read_journal
+from sm120patch.locks import read_locks
 from sm120patch.reports import StatusReport, TreeStatus
 from sm120patch.state import orphans, state_root, temporaries
 
@@ -100,7 +100,7 @@ class Located:
     @property
     def where(self) -> str:
         """:attr:`options`, quoted for a shell."""
-        return shlex.join(word for option in self.options for word in option)
+        return terminal.join(word for option in self.options for word in option)
 
     def command(self, words: str) -> str:
         """An sm120patch command for this same target, that works when copied as printed."""
@@ -190,6 +190,23 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
     run already found (apply, judging the chain once its change stands: no second probe)."""
     registry = registry or load_registry(full=False)
     located = located or locate(request, registry)
+    # Read under the shared lock of every install location: a run changing one (apply, revert)
+    # is seen before or after, never half done.
+    with read_locks(located.state_dirs, on_wait=request.on_wait, busy=_running):
+        return _status(request, registry, located, device)
+
+
+def _running(site_dir: Path) -> str:
+    """The run that holds ``site_dir``, as its journal names it (which command, which process)."""
+    try:
+        journal = read_journal(journal_at(site_dir))
+    except Sm120PatchError:
+        journal = None
+    where = f"another sm120patch is changing {site_dir}"
+    return f"{where}: {journal.describe(running=True)}" if journal is not None else where
+
+
+def _status(request: Request, registry: Registry, located: Located, device) -> StatusReport:
     trees, aot = [], []
     routed = dict(located.routed)
     for tree in located.trees:

@@ -6,12 +6,12 @@ dry run)."""
 from __future__ import annotations
 
 import difflib
-import shlex
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
+from sm120patch import terminal
 from sm120patch.assess import Assessment, FileAssessment, State, Origin
 from sm120patch.errors import PatchDataError, RefusedError
 from sm120patch.hashing import sha256
@@ -98,7 +98,7 @@ def _refuse_drift(assessment: Assessment, fa: FileAssessment, verb: str, release
 
 def _refuse_link(assessment: Assessment, fa: FileAssessment) -> RefusedError:
     prefix = assessment.tree.words.copy_reinstall
-    uv = shlex.join([*prefix, f"{assessment.name}=={assessment.raw_version}"]) if prefix else ""
+    uv = terminal.join([*prefix, f"{assessment.name}=={assessment.raw_version}"]) if prefix else ""
     state = {State.PRISTINE: "holds the release's bytes", State.APPLIED: "holds patched bytes"}.get(
         fa.state, "does not hold the release's bytes")
     return RefusedError(
@@ -137,7 +137,9 @@ def plan_apply(assessment: Assessment, selected: Sequence[Patch], *, force: bool
             raise _refuse_drift(assessment, fa, "patch", release, force_offered=True)
         if (fa.state is State.APPLIED and set(fa.applied) == wanted_ids and fa.link is None and not fa.former
                 and fa.origin is not Origin.OTHER_FORM):  # (another sm120patch's form: today's is written)
-            if fa.origin is Origin.BY_HAND:  # a hand edit equal to the patch: adopt it
+            # A hand edit equal to the patch: adopted in the ledger; where there is none (a
+            # checkout) it is left as it is, and nothing changes (Ansible reports no change).
+            if fa.origin is Origin.BY_HAND and assessment.tree.keeps_ledger:
                 ledger_files[relpath] = LedgerFile(tuple(p.id for p in wanted), expected.pristine, fa.sha256,
                                                    origin=Origin.ADOPTED.value)
                 adopted.append(relpath)

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from sm120patch.terminal import one_line
+
 
 QUIET = False  # `sm120patch --quiet`: no progress at all, for scripts and Ansible
 
@@ -46,10 +48,10 @@ class BuildProgress(_Bar):
         if self.quiet:
             return
         if step == 0:
-            click.echo(f"sm120patch: {line}", err=True)
+            click.echo(one_line(f"sm120patch: {line}"), err=True)
             return
         if not self.enabled:
-            click.echo(f"sm120patch: build step {step}/{total}: {line.split('] ', 1)[-1][:160]}", err=True)
+            click.echo(one_line(f"sm120patch: build step {step}/{total}: {line.split('] ', 1)[-1][:160]}"), err=True)
             return
         if self.bar is None:
             self._open(length=total, label="building trtllm_comm", show_eta=True)
@@ -64,7 +66,7 @@ class BenchProgress(_Bar):
         if not self.enabled:
             return
         if event.get("event") == "stage":
-            click.echo(f"sm120patch: {event['text']} ...", err=True)
+            click.echo(one_line(f"sm120patch: {event['text']} ..."), err=True)
         elif event.get("event") == "cases":
             self._open(length=event["total"], label="checking and timing", item_show_func=lambda item: item)
         elif event.get("event") == "case" and self.bar is not None:
@@ -75,10 +77,10 @@ class BenchProgress(_Bar):
 
 def line_progress(*, quiet: bool = False):
     """Progress lines on stderr, a terminal or not (None: say nothing, for --json)."""
-    return None if quiet or QUIET else (lambda text: click.echo(text, err=True))
+    return None if quiet or QUIET else (lambda text: click.echo(one_line(text), err=True))
 
 
 def say(text: str) -> None:
     """One line on stderr about work that takes a while (a download), wherever it is called from."""
     if not QUIET:
-        click.echo(f"sm120patch: {text}", err=True)
+        click.echo(one_line(f"sm120patch: {text}"), err=True)

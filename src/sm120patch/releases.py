@@ -176,7 +176,7 @@ def _try(patch_set: PatchSet, archive, record: dict) -> tuple[Attempt, dict[str,
             attempt.problems.append(f"{relpath} is not in the wheel (moved or vanished"
                                     + (f"; a file of that name: {', '.join(same_name)}" if same_name else "") + ")")
             continue
-        pristine = archive.read(relpath)
+        pristine = wheels.read_member(archive, relpath)
         attempt.hashes[relpath] = sha256(pristine)
         if record[relpath] is not None and sha256(pristine) != record[relpath]:
             attempt.problems.append(f"{relpath} does not match the wheel's RECORD")

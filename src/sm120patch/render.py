@@ -104,11 +104,27 @@ def fit(text: str) -> str:
     return "\n".join(lines)
 
 
+# A verdict to be coloured is marked by these (private-use characters: printable, so that
+# terminal.visible, which the text goes through first, leaves them alone); :func:`paint` turns
+# them into the terminal's colours last, so that no escape sequence but sm120patch's own is sent.
+_PAINT, _PAINTED = "\ue001", "\ue002"
+_MARKED = re.compile(f"{_PAINT}([^{_PAINTED}]*){_PAINTED}")
+
+
 def coloured(text: str) -> str:
-    """Each verdict in ``text`` in its colour, on a terminal (:func:`colour`)."""
+    """Each verdict in ``text`` marked for its colour, on a terminal (:func:`colour`); :func:`paint`
+    colours it."""
     if not COLOUR:
         return text
-    return _VERDICT.sub(lambda m: click.style(m.group(0), fg=VERDICT_COLOURS[m.group(0)], bold=True), text)
+    return _VERDICT.sub(lambda m: f"{_PAINT}{m.group(0)}{_PAINTED}", text)
+
+
+def paint(text: str) -> str:
+    """The verdicts :func:`coloured` marked, in their colours."""
+    if _PAINT not in text:
+        return text
+    return _MARKED.sub(lambda m: click.style(m.group(1), fg=VERDICT_COLOURS[m.group(1)], bold=True)
+                       if m.group(1) in VERDICT_COLOURS else m.group(0), text)  # (a file's own such characters: as they are)
 
 
 # -- --json ----------------------------------------------------------------------------------------
@@ -544,7 +560,8 @@ def change_json(report: ChangeReport) -> dict:
         "next": next_json(next_step(report.chains)) if report.chains and not report.dry_run else [],
         "changed": report.changed if not report.dry_run else False,
         # Whatever the run would count as a change (Ansible's check mode reports it as changed).
-        "would_change": (any(r.plan and not r.plan.empty for r in report.results) or bool(report.orphans_removed)
+        "would_change": (any((r.plan and not r.plan.empty) or (r.undo and r.undo.changed) for r in report.results)
+                         or bool(report.orphans_removed)
                          or bool(report.jit_removed)) if report.dry_run else None,
         "recovered": None if report.recovery is None else {
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import stat
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-from sm120patch import __version__
+from sm120patch import __version__, terminal
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
@@ -81,7 +80,7 @@ def permission_hint(path: Path, owner: Owner | None = None) -> str:
     missing = [(bit, verb) for bit, flag, verb in needed if mode is not None and not mode & flag] or [("w", "write to")]
     shown = f" is mode {mode:04o}:" if mode is not None else ":"
     return (f"{path}{shown} its owner ({owner.user}, who runs sm120patch) may not {' or '.join(v for _, v in missing)} "
-            f"it; `chmod u+{''.join(b for b, _ in missing)} {shlex.quote(str(path))}`")
+            f"it; `chmod u+{''.join(b for b, _ in missing)} {terminal.quote(str(path))}`")
 
 
 def state_root(site_dir: Path) -> Path:
@@ -122,7 +121,7 @@ def ensure_dir(path: Path, owner: Owner) -> None:
         owner.apply(directory)
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {shlex.quote(str(path))}")
+        raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {terminal.quote(str(path))}")
 
 
 class LedgerFile(NamedTuple):
@@ -183,7 +182,7 @@ class Ledger(NamedTuple):
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TransactionError(
                 f"{where} is unreadable ({exc})",
-                hint=f"move it aside (`mv {shlex.quote(str(where))} {shlex.quote(str(where) + '.bad')}`); sm120patch then judges files by their hashes alone",
+                hint=f"move it aside (`mv {terminal.quote(str(where))} {terminal.quote(str(where) + '.bad')}`); sm120patch then judges files by their hashes alone",
             ) from None
 
 

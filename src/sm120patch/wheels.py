@@ -105,12 +105,41 @@ def fetch_wheel(distribution: str, version: str, cache: Path | None = None) -> P
     return found
 
 
+# The most sm120patch reads of one member of a wheel, decompressed: a RECORD, a METADATA, a file a
+# patch set names. The largest of these in any release read so far is under 1 MiB (FlashInfer
+# 0.7.0's RECORD); a member over this is no release's, and read whole it could be a zip bomb (a
+# few MB that inflate to gigabytes: a MemoryError, or the machine's memory).
+MEMBER_LIMIT = 64 << 20
+
+
+def read_member(archive: zipfile.ZipFile, name: str) -> bytes:
+    """Member ``name`` of a wheel (KeyError where it has none), read in chunks: refused in one
+    line when its declared size is over :data:`MEMBER_LIMIT`, or when it inflates to more than
+    it declares (a forged header), before more than that is held in memory."""
+    info = archive.getinfo(name)
+    wheel = archive.filename
+    if info.file_size > MEMBER_LIMIT:
+        raise PatchDataError(f"{wheel}: {name} inflates to {info.file_size:,} bytes ({info.compress_size:,} in the "
+                             f"archive), more than the {MEMBER_LIMIT >> 20} MiB sm120patch reads of one file: not a "
+                             "release's wheel", hint="use the release's own wheel (`pip download --no-deps` of it)")
+    chunks, size = [], 0
+    with archive.open(info) as member:
+        while chunk := member.read(1 << 20):
+            size += len(chunk)
+            if size > info.file_size:
+                raise PatchDataError(f"{wheel}: {name} inflates to more than the {info.file_size:,} bytes its header "
+                                     "declares: a damaged or forged wheel",
+                                     hint="use the release's own wheel (`pip download --no-deps` of it)")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def wheel_file(wheel: Path, relpath: str) -> tuple[bytes, str | None]:
     """One file of a wheel and the hash the wheel's own RECORD gives it."""
     archive, record = read_wheel(wheel)
     with archive, damaged(wheel):
         try:
-            return archive.read(relpath), record.get(relpath)
+            return read_member(archive, relpath), record.get(relpath)
         except KeyError:
             raise PatchDataError(f"{wheel.name} has no {relpath}") from None
 
@@ -146,7 +175,7 @@ def read_wheel(wheel: Path) -> tuple[zipfile.ZipFile, dict[str, str | None]]:
                 raise PatchDataError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(records)}")
             import csv  # here: status imports this module and never reads a wheel
 
-            rows = csv.reader(io.StringIO(archive.read(records[0]).decode("utf-8", errors="replace")))
+            rows = csv.reader(io.StringIO(read_member(archive, records[0]).decode("utf-8", errors="replace")))
             return archive, {row[0]: parse_record_hash(row[1]) if len(row) > 1 and row[1] else None
                              for row in rows if row}
         except BaseException:
@@ -164,7 +193,7 @@ def release_of(archive: zipfile.ZipFile, wheel: Path) -> tuple[str, Version]:
     dist_info = next(n.split("/")[0] for n in archive.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
     with damaged(wheel):
         try:
-            text = archive.read(f"{dist_info}/METADATA").decode("utf-8", errors="replace")
+            text = read_member(archive, f"{dist_info}/METADATA").decode("utf-8", errors="replace")
         except KeyError:
             raise PatchDataError(f"{wheel.name} has no {dist_info}/METADATA") from None
     headers = HeaderParser().parsestr(text, headersonly=True)
