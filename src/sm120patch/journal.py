@@ -92,7 +92,9 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> Journal |
     if isinstance(document, dict) and "primary" in document:
         primary = Path(document["primary"])
         if not primary.exists():
-            path.unlink(missing_ok=True)
+            from sm120patch import dirfd
+
+            dirfd.unlink(path, missing_ok=True)
             return None
         return read_journal(primary, revert_command=revert_command)
     try:

@@ -924,7 +924,9 @@ def render_tune(report: TuneReport) -> str:
     written = report.profile
     if written is not None:
         done = [f"wrote the TP{world} limits into {written.path}"]
-        if written.other_box:
+        if written.foreign_owner:
+            done.append(f"replacing a file {written.foreign_owner} owned (nothing of it kept)")
+        elif written.other_box:
             done.append("replacing a profile made on another box")
         elif written.replaced_tp:
             done.append(f"replacing its earlier TP{world} entry")
@@ -949,7 +951,8 @@ def tune_json(report: TuneReport) -> dict:
         "entry": report.entry,
         "profile": None if report.profile is None else {
             "path": str(report.profile.path), "replaced_tp": report.profile.replaced_tp,
-            "other_box": report.profile.other_box, "kept": list(report.profile.kept)},
+            "other_box": report.profile.other_box, "kept": list(report.profile.kept),
+            "foreign_owner": report.profile.foreign_owner},
         "pcie_ipc": report.meta["tune"].get("pcie_ipc", []),
         "errors": [error.message for error in report.errors],
     }
