@@ -331,3 +331,38 @@ def listdir(path: str | os.PathLike) -> list[str]:
         return os.listdir(fd)
     finally:
         os.close(fd)
+
+
+def exposure(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """As root: the outermost directory on the way to ``path`` (``path`` itself included, links
+    resolved) whose entries another user can change, and who (a user's name, a group's, "every
+    user"); None when there is none, or this process is not root (what it can be made to do
+    there, its user can do anyway)."""
+    if os.geteuid() != 0:
+        return None
+    real = Path(os.path.realpath(os.fspath(path)))
+    for directory in [*reversed(real.parents), real]:
+        try:
+            info = os.stat(directory)
+        except OSError:
+            return None
+        if stat.S_ISDIR(info.st_mode) and others_can_change(info):
+            return directory, _who(info)
+    return None
+
+
+def _who(info: os.stat_result) -> str:
+    import grp
+    import pwd
+
+    if info.st_uid not in (0, os.geteuid()):
+        try:
+            return pwd.getpwuid(info.st_uid).pw_name
+        except KeyError:
+            return f"uid {info.st_uid}"
+    if info.st_mode & stat.S_IWOTH:
+        return "every user"
+    try:
+        return f"group {grp.getgrgid(info.st_gid).gr_name}"
+    except KeyError:
+        return f"group {info.st_gid}"

@@ -151,7 +151,11 @@ def missing_for_build(python: Path | str) -> list[str]:
     toolkit FlashInfer takes (:func:`cuda_home`). Asked before anything is written or announced."""
     missing = []
     try:
-        proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/")
+        from sm120patch import runas
+
+        user = runas.environment_owner(python)  # as root on another user's environment: as that user
+        proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/",
+                              env=user.environ(), **user.popen_args())
         found = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         found = {"torch": False}

@@ -283,6 +283,13 @@ def render_status(report: StatusReport) -> str:
         lines.append("")
         lines.append(f"AOT: {shadow.path} ({shadow.source})")
         lines.append(f"  ! {AOT_HINT}")
+    if report.exposed:
+        lines.append("")
+        lines.append("Run as root where another user can change the directories (sm120patch writes there by directory "
+                     "descriptors only, never following a link they could plant, and runs that environment's programs "
+                     "as its owner):")
+    for directory, who in report.exposed:
+        lines.append(f"  note: {directory} and below: {who} can change them")
     if report.orphans or report.temporaries:
         lines.append("")
         lines.append(f"Left behind (`{report.apply_command}` or a revert removes it):")
@@ -382,6 +389,7 @@ def status_json(report: StatusReport) -> dict:
         "orphaned_state": [{"state": str(o.state.root), "install": o.name, "files": [str(f) for f in o.files]}
                            for o in report.orphans],
         "leftover_temporaries": [str(p) for p in report.temporaries],
+        "changeable_by_others": [{"path": str(d), "by": who} for d, who in report.exposed],
         "next": next_json(status_next(report)),
     }
     for item in report.trees:

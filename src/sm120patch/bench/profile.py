@@ -213,6 +213,10 @@ def _committing() -> Iterator[None]:
     with signals.held():
         yield
         signals.commit_point("tuned-limits profile write")
+        # One that came during the rename came when nothing could be undone any more: a late
+        # one, reported as such (the exit code says the profile stands).
+        signals.STATE.late.extend(signals.STATE.noted)
+        signals.STATE.noted.clear()
 
 
 def _user(uid: int) -> str:

@@ -95,14 +95,18 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
 
+    from sm120patch import runas
+
+    user = runas.environment_owner(request.python)  # as root on another user's environment: as that user
     with tempfile.TemporaryDirectory(prefix="sm120patch-bench-") as tmp:
         workdir = Path(tmp)
+        user.give(workdir)
         read_fd, write_fd = os.pipe()
         port = _free_port()
         procs = []
         try:
             for rank in range(world_size):
-                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                env = dict(user.environ(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            SM120PATCH_BENCH_CONFIG=json.dumps(config), SM120PATCH_BENCH_DIR=str(workdir),
                            PYTHONUNBUFFERED="1")
@@ -110,10 +114,10 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
                     env["FLASHINFER_WORKSPACE_BASE"] = str(request.jit_base)
                 if rank == 0:
                     env["SM120PATCH_BENCH_FD"] = str(write_fd)
-                log = open(workdir / f"rank-{rank}.log", "wb")
+                log = open(workdir / f"rank-{rank}.log", "xb")  # O_EXCL: never through a link planted there
                 procs.append(subprocess.Popen([str(request.python), "-c", source], env=env, cwd="/",
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                              pass_fds=(write_fd,) if rank == 0 else ()))
+                                              pass_fds=(write_fd,) if rank == 0 else (), **user.popen_args()))
                 log.close()
             os.close(write_fd)
             write_fd = -1
