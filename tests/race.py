@@ -36,6 +36,7 @@ from toy import make_data, make_wheel  # noqa: E402
 from toy import install as install_wheel  # noqa: E402
 
 USER = "sm120race"
+RUN = "5ace5ace5ace"  # every run's id (transaction.new_run): its stash directory is known to the swapper
 VERSION = "1.0"
 NAMES = ("toyfuse", "toyserve")
 
@@ -80,13 +81,14 @@ while not os.path.exists(stop):
         except OSError:
             continue
         for n in names:
-            if ".sm120patch-" in n and not n.startswith(".swap-"):
+            if ".sm120patch-" in n and not n.startswith(".swap-") and not os.path.islink(os.path.join(d, n)):
                 plant(d, n)
-    if cfg["swap"] and random.random() < 0.5:
+    if cfg["swap"] and random.random() < cfg["rate"]:
         swap(random.choice(cfg["swap"]))
 print(json.dumps(wins))
 """
 
+PLANTED: dict[str, Counter] = {c: Counter() for c in ("apply", "revert", "profile")}  # the swapper's links, per command
 PTH = "import os; open({log!r}, 'a').write('%d\\n' % os.getuid())\n"
 
 
@@ -154,7 +156,7 @@ class Arena(NamedTuple):
 
     def environ(self) -> dict:
         return dict(os.environ, SM120PATCH_DATA_DIR=str(self.data), PYTHONDONTWRITEBYTECODE="1",
-                    SM120PATCH_LOCK_WAIT="2")
+                    SM120PATCH_LOCK_WAIT="2", SM120PATCH_RUN_ID=RUN)
 
     def reset(self) -> None:
         subprocess.run(["rm", "-rf", str(self.env)], check=True)
@@ -173,8 +175,8 @@ class Arena(NamedTuple):
 
     def swapper(self, *, swap: bool = True) -> subprocess.Popen:
         stash = self.site / ".sm120patch" / "stash"
-        watch = [*self.owned(), stash, *([stash / d for d in os.listdir(stash)] if stash.is_dir() else [])]
-        config = {"watch": [str(p) for p in watch], "swap": [str(p) for p in self.owned()] if swap else [],
+        watch = [*self.owned(), stash, stash / RUN]
+        config = {"watch": [str(p) for p in watch], "swap": [str(p) for p in self.owned()] if swap else [], "rate": 0.05,
                   "victim": str(self.outside / "victim"), "victim_dir": str(self.outside), "stop": str(self.base / "stop")}
         return subprocess.Popen([self.python, "-I", "-c", SWAPPER, json.dumps(config)], user=self.user.pw_uid,
                                 group=self.user.pw_gid, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True)
@@ -270,7 +272,7 @@ def one_try(arena: Arena, command: str, *, swap: bool = True) -> str:
             outcome = f"exit {proc.returncode}"
             assert "Traceback" not in proc.stderr, proc.stderr
     finally:
-        arena.stop(swapper)
+        PLANTED[command].update(arena.stop(swapper))
     after = tree(arena.outside)
     changed = sorted(k for k in set(before_outside) | set(after) if before_outside.get(k) != after.get(k))
     assert changed == [], f"{command}: root's files changed: {changed} ({outcome})"
@@ -281,7 +283,9 @@ def one_try(arena: Arena, command: str, *, swap: bool = True) -> str:
 
 
 def race(arena: Arena, command: str, tries: int) -> Counter:
-    return Counter(one_try(arena, command) for _ in range(tries))
+    """``tries`` races, every other one with temporary files alone swapped (so that more runs
+    reach their writes), the others with whole directories too."""
+    return Counter(one_try(arena, command, swap=bool(n % 2)) for n in range(tries))
 
 
 def cleanup(arena: Arena) -> None:
