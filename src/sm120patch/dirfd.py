@@ -7,11 +7,11 @@ whatever that user put there a microsecond earlier (``/etc/shadow`` behind a sym
 call names a path another user can swap:
 
 - the directory a change happens in is opened from ``/`` down, one component at a time, with
-  ``O_NOFOLLOW|O_DIRECTORY`` (:func:`open_dir`); a symbolic link on the way is followed only
-  where no one but root and this process's user can have put it there (a directory owned by
-  one of them, not writable by a group or by others, or sticky and the link theirs); in a
-  directory another user can change, a link is refused (:class:`UnsafePathError`), never
-  followed;
+  ``O_NOFOLLOW|O_DIRECTORY`` (:func:`open_dir`); as root, a symbolic link on the way is
+  followed only where no one but root can have put it there (a directory owned by root, not
+  writable by a group or by others, or sticky and the link root's); in a directory another
+  user can change, a link is refused (:class:`UnsafePathError`), never followed (a process of
+  another user follows every link: it leads that process only where its user can write);
 - everything below is relative to that descriptor: a new file is created with
   ``O_CREAT|O_EXCL|O_NOFOLLOW`` under a random name, given its mode and owner on the
   descriptor (``fchown``/``fchmod``) and fsynced before it is renamed over the old name
@@ -25,8 +25,8 @@ owns; the read-back before the commit point then sees it and the run is rolled b
 from __future__ import annotations
 
 import errno
+import itertools
 import os
-import secrets
 import stat
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -60,6 +60,8 @@ def others_can_change(info: os.stat_result) -> bool:
 
 
 def _may_follow(directory: os.stat_result, link: os.stat_result) -> bool:
+    if os.geteuid() != 0:  # a link can lead a user's process only where that user can write anyway
+        return True
     if others_can_change(directory):
         return False
     return not directory.st_mode & stat.S_ISVTX or link.st_uid in (0, os.geteuid())
@@ -127,7 +129,20 @@ def temporary_name(name: str, suffix: str = "tmp") -> str:
     """A new file's name beside ``name`` until it is renamed over it: this process's id (the
     journal records it: a next run removes what a killed one left) and a random part (nobody
     can create it first)."""
-    return f".{name}{TEMPORARY_MARK}{os.getpid()}-{secrets.token_hex(4)}.{suffix}"
+    return f".{name}{TEMPORARY_MARK}{os.getpid()}-{unique()}.{suffix}"
+
+
+_MADE = itertools.count()
+
+
+def unique() -> str:
+    """8 hex digits: random; a count where ``SM120PATCH_RUN_ID`` fixes the run's id (the
+    fault-injection tests aim at paths known before the run; that variable is the caller's own,
+    no other user sets it for root)."""
+    given = os.environ.get("SM120PATCH_RUN_ID", "")
+    if len(given) == 12 and all(c in "0123456789abcdef" for c in given):
+        return f"{next(_MADE):08x}"
+    return os.urandom(4).hex()
 
 
 def lstat(path: str | os.PathLike) -> os.stat_result:

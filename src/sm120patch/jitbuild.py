@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from sm120patch import signals
+from sm120patch import runas, signals
 from sm120patch.errors import CheckFailedError, TargetError, UsageError
 from sm120patch.state import Owner
 from sm120patch.words import counted
@@ -151,8 +151,6 @@ def missing_for_build(python: Path | str) -> list[str]:
     toolkit FlashInfer takes (:func:`cuda_home`). Asked before anything is written or announced."""
     missing = []
     try:
-        from sm120patch import runas
-
         user = runas.environment_owner(python)  # as root on another user's environment: as that user
         proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/",
                               env=user.environ(), **user.popen_args())

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 from packaging.version import InvalidVersion, Version
 
 from sm120patch import chain, tunedlimits
+from sm120patch.dirfd import exposure
 from sm120patch.assess import assess, present_by_meaning
 from sm120patch.checkout import CheckoutTree, open_checkout
 from sm120patch.distributions import ANY, Registry, load_registry
@@ -234,8 +235,6 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
 def _exposed(paths) -> list[tuple[Path, str]]:
     """As root: where another user can change a directory on the way to what a run writes
     (status and doctor say so; the writes go by descriptor there: sm120patch.dirfd)."""
-    from sm120patch.dirfd import exposure
-
     found = {}
     for path in paths:
         hit = exposure(path)

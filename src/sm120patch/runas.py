@@ -98,9 +98,7 @@ def for_uid(uid: int, gid: int) -> RunAs:
 
 
 def token() -> str:
-    import secrets
-
-    return secrets.token_hex(8)
+    return os.urandom(8).hex()
 
 
 def popen(argv: list[str], run_as: RunAs, *, env: dict | None = None, **kwargs) -> subprocess.Popen:

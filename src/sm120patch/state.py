@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-from sm120patch import __version__
+from sm120patch import __version__, dirfd
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
@@ -109,8 +109,6 @@ def ensure_dir(path: Path, owner: Owner) -> None:
     """Create ``path`` and its missing parents (mode 0700, owned by ``owner``, both set on the
     new directory's descriptor: dirfd.mkdir); refuse a state directory that other users can
     write to."""
-    from sm120patch import dirfd
-
     for directory in missing_parents(path):
         try:
             dirfd.mkdir(directory, mode=STATE_DIR_MODE, owner=tuple(owner))
@@ -272,9 +270,7 @@ def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
     the pattern that finds them, so the two cannot drift."""
     if suffix not in TEMPORARY_SUFFIXES:  # a name the cleanup would never find
         raise ValueError(f"not a temporary suffix: {suffix!r}")
-    import secrets
-
-    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}.{suffix}")
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}-{dirfd.unique()}.{suffix}")
 
 
 def temporaries_of(path: Path, pid: int) -> list[Path]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sm120patch import ptx, signals
+from sm120patch import ptx, runas, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
 from sm120patch.jitbuild import end_group, missing_for_build, start_build

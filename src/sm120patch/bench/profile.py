@@ -22,6 +22,8 @@ from sm120patch import _tuned_runtime as runtime
 from sm120patch.bench.limits import Limits
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, UsageError
 from sm120patch.fileio import NotRegularFile, read_regular
+from sm120patch.locks import flock
+from sm120patch.state import TEMPORARY
 
 KIND = "sm120patch tuned limits"
 # For tests only: write a profile even from ranks that share a GPU (their figures measure one GPU
@@ -110,8 +112,6 @@ def write(path: Path, *, box: dict, tp: int, new_entry: dict) -> Written:
     mode nor its entries. Two tuners on one profile take turns (an flock on its directory), so
     the second merges into what the first wrote; the temporary file of a tuner that was killed
     is removed under that lock."""
-    from sm120patch.locks import flock
-
     path = Path(os.path.abspath(path))
     try:
         made = dirfd.makedirs(path.parent, mode=DIRECTORY_MODE)
@@ -134,8 +134,6 @@ def write(path: Path, *, box: dict, tp: int, new_entry: dict) -> Written:
 def _leftovers(path: Path) -> None:
     """Temporary files of earlier tuners on ``path`` (killed between making one and renaming it):
     under the lock no other tuner has one in flight."""
-    from sm120patch.state import TEMPORARY
-
     prefix = f".{path.name}{dirfd.TEMPORARY_MARK}"
     try:
         names = dirfd.listdir(path.parent)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from sm120patch import runas
 from sm120patch.bench.preflight import BenchRequest, ranks_on_one_gpu
 from sm120patch.bench.report import BenchReport, Case
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, TargetError, UsageError
@@ -94,8 +95,6 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     config["one_gpu"] = ranks_on_one_gpu(request)
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
-
-    from sm120patch import runas
 
     user = runas.environment_owner(request.python)  # as root on another user's environment: as that user
     with tempfile.TemporaryDirectory(prefix="sm120patch-bench-") as tmp:
