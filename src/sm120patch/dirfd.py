@@ -158,8 +158,8 @@ def write_file(path: str | os.PathLike, data: bytes, *, mode: int, owner: tuple[
     (inside ``committing()``, where the rename is a caller's commit point)."""
     with parent(path) as (dfd, name):
         tmp = temporary_name(name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:  # from the moment the file exists: an exception (a signal too) takes it away again
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             try:
                 view = memoryview(data)
                 while view:
