@@ -118,14 +118,14 @@ def end(proc: subprocess.Popen) -> None:
     the session with ``setsid``, a background job of a wrapper script); wait for ``proc``."""
     mark = _token_of(proc)
     for _ in range(3):  # what a dying process started meanwhile is found by the next round
-        doomed = {proc.pid} | (_carrying(mark) if mark else set())
-        for pid in doomed:
+        others = (_carrying(mark) if mark else set()) - {proc.pid}
+        for pid in {proc.pid} | others:
             for kill in (os.killpg, os.kill):
                 try:
                     kill(pid, signal.SIGKILL)
                 except OSError:  # gone already, not a group leader, or not ours to signal
                     pass
-        if not mark or not _carrying(mark):
+        if not others:  # (one look at /proc, 1-2 ms, where nothing was left: the usual case)
             break
     try:
         proc.wait(timeout=10)
