@@ -260,3 +260,20 @@ def test_the_race_needs_root_and_says_so_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(AssertionError, match="needs root"):
         race.need_root(pytest)
+
+
+def test_a_stray_file_in_an_installs_state_is_removed_with_it_not_a_traceback(toy):
+    """The environment's owner can put anything in the state sm120patch keeps beside the install
+    (the race swapped the install's state directory for another holding `comm.py`): after a
+    reinstall, the revert that drops the ledger and its originals drops that file too, in one
+    line, never a traceback."""
+    from toy import SOURCE
+    from test_reliability_four import toy_argv
+
+    assert subprocess.run(toy_argv(toy, "apply"), capture_output=True).returncode == 0
+    (toy.site / "toyfuse" / "comm.py").write_text(SOURCE)  # a reinstall put the release's bytes back
+    state = toy.site / ".sm120patch" / "toyfuse-1.0.dist-info"
+    (state / "comm.py").write_text("not sm120patch's\n")
+    proc = subprocess.run(toy_argv(toy, "revert"), capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert not (toy.site / ".sm120patch").exists()
