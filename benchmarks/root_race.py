@@ -4,7 +4,7 @@ process of that user swaps temporary files and whole directories for links to ro
 (tests/race.py). A try is lost when any root-owned file outside the environment changed owner,
 mode, bytes or listing, or the user's .pth ran as root; the script stops at the first loss.
 
-    sudo .venv/bin/python benchmarks/root_race.py [TRIES] [--files-only]   # default 300 per command
+    sudo .venv/bin/python benchmarks/root_race.py [TRIES] [apply|revert|profile ...] [--files-only]   # default 300 tries of each
 
 Prints, per command, the tries, the outcomes (exit codes / wrote / refused) and the swapper's
 count of links it planted; docs/root.md records a run. Run it against an older checkout with
@@ -23,16 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import race  # noqa: E402
 
+COMMANDS = ("apply", "revert", "profile")
+
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if a != "--files-only"]
+    args = [a for a in sys.argv[1:] if a != "--files-only" and a not in COMMANDS]
+    commands = [a for a in sys.argv[1:] if a in COMMANDS] or list(COMMANDS)
     check_pth = "--files-only" not in sys.argv  # judge root's files alone (an older sm120patch loses on the .pth first)
     tries = int(args[0]) if args else 300
     race.need_root()
     arena = race.make_arena()
     results = {}
     try:
-        for command in ("apply", "revert", "profile"):
+        for command in commands:
             outcomes: Counter = Counter()
             start = time.monotonic()
             lost = None
