@@ -1,8 +1,7 @@
 """Writing a user's files: a file is never written in place (new bytes go to a temporary file
 beside it, fsynced, given the old file's mode and owner, and renamed over it, each step through
-directory descriptors: :mod:`sm120patch.dirfd`); the pre-flight
-that refuses, before the first change, what cannot be written; and what a path holds, as the
-journal records it.
+directory descriptors: :mod:`sm120patch.dirfd`); the pre-flight that refuses, before the first
+change, what cannot be written; and what a path holds, as the journal records it.
 
 Reading one is :mod:`sm120patch.fileio`, kept apart because :mod:`sm120patch.state` reads with
 it and this module needs ``state``'s owners."""
@@ -18,13 +17,9 @@ from sm120patch import dirfd
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
-from sm120patch.state import Owner, permission_hint, temporary  # noqa: F401 - transaction imports it here
+from sm120patch.state import Owner, permission_hint
 
 ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
-
-
-def fsync_dir(path: Path) -> None:
-    dirfd.fsync_dir(path)
 
 
 def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
