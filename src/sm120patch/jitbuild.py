@@ -245,7 +245,9 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     if arch:
         server_env["FLASHINFER_CUDA_ARCH_LIST"] = arch
     env = dict(server_env, MAX_JOBS=str(jobs or os.cpu_count() or 1), PYTHONUNBUFFERED="1")
-    run_as = _run_as(owner)
+    # As the cache base's owner; where that is root's, still never as root for another user's
+    # environment (its interpreter runs its owner's code: sm120patch.runas).
+    run_as = _run_as(owner) or runas.environment_owner(python).popen_args()
     start = time.monotonic()
     if progress:
         progress(f"building {module} with FlashInfer's JIT in {python} for "
@@ -314,7 +316,8 @@ def sm120_archs(python: Path) -> list[str] | None:
     up to 0.6.6, ``["12.0f"]`` from 0.6.7 where nvcc is 12.9 or later); None where it cannot say.
     ``build`` gets the same answer from its proof."""
     env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
-    events, _ = _run(python, {"spec": "", "phase": "sm120"}, env, {}, None)
+    # As root on another user's environment, its interpreter runs as that user (sm120patch.runas).
+    events, _ = _run(python, {"spec": "", "phase": "sm120"}, env, runas.environment_owner(python).popen_args(), None)
     return events.get("sm120")
 
 
