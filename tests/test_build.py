@@ -498,21 +498,33 @@ def test_a_build_killed_outright_leaves_no_compiler_running(runtime_env, tmp_pat
 def test_only_what_an_unfinished_build_made_is_removed(tmp_path):
     """The entry of a build that did not finish goes; one that had its library before the build
     started (the build was only relinking or checking it) is left as it was, and so is one whose
-    library the build had already written."""
+    library the build had already written. The build (the target's code) names its entry: a
+    path outside the cache base's form for the module is never removed (issue 61)."""
     from sm120patch.jitbuild import _remove_partial
 
+    base = tmp_path / "home"
+
     def entry(name: str, library: bool) -> dict:
-        where = tmp_path / name / "trtllm_comm"
+        where = base / ".cache" / "flashinfer" / "0.6.4" / name / "cached_ops" / "trtllm_comm"
         where.mkdir(parents=True)
         (where / "build.ninja").write_text("rule x\n")
         if library:
             (where / "trtllm_comm.so").write_bytes(b"\x7fELF")
         return {"build_dir": str(where), "library": str(where / "trtllm_comm.so")}
 
+    def remove(events: dict) -> bool:
+        return _remove_partial(events, base, "trtllm_comm")
+
     partial = entry("partial", library=False)
-    assert _remove_partial(dict(partial, had_library=False)) and not Path(partial["build_dir"]).exists()
+    assert remove(dict(partial, had_library=False)) and not Path(partial["build_dir"]).exists()
     kept = entry("had-its-library", library=True)
-    assert not _remove_partial(dict(kept, had_library=True)) and Path(kept["library"]).exists()
+    assert not remove(dict(kept, had_library=True)) and Path(kept["library"]).exists()
     finished = entry("linked", library=True)
-    assert not _remove_partial(dict(finished, had_library=False)) and Path(finished["library"]).exists()
-    assert not _remove_partial({})  # interrupted before FlashInfer named its entry: nothing of it to remove
+    assert not remove(dict(finished, had_library=False)) and Path(finished["library"]).exists()
+    assert not remove({})  # interrupted before FlashInfer named its entry: nothing of it to remove
+    elsewhere = tmp_path / "roots" / "trtllm_comm"  # a build that names another directory
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "keep").write_text("root's")
+    for named in (elsewhere, base / ".cache" / "flashinfer" / "0.6.4" / "x" / "cached_ops" / ".." / ".." / ".." / ".."
+                  / ".." / ".." / "roots" / "trtllm_comm"):
+        assert not remove({"build_dir": str(named), "had_library": False}) and (elsewhere / "keep").exists()

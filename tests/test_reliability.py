@@ -278,9 +278,11 @@ def test_a_python_path_too_long_is_bad_input():
 
 
 def test_an_old_python_is_refused_not_reported_empty(tmp_path):
-    python = tmp_path / "python3.6"  # answers as a Python 3.6 would
-    python.write_text("#!/bin/sh\necho \"{'executable': '$0', 'python_version': '3.6.15', 'prefix': '/opt/py36', "
-                      "'base_prefix': '/opt/py36', 'user_base': '', 'distributions': {}}\"\n")
+    python = tmp_path / "python3.6"  # answers as a Python 3.6 would (framed, on the probe's own pipe)
+    python.write_text("#!/bin/sh\nprintf '\\036sm120patch-answer\\n%s\\n\\036sm120patch-end\\n' "
+                      "\"{'executable': '$0', 'python_version': '3.6.15', 'prefix': '/opt/py36', "
+                      "'base_prefix': '/opt/py36', 'user_base': '', 'distributions': {}}\" "
+                      "> /proc/self/fd/$SM120PATCH_PROBE_FD\n")
     python.chmod(0o755)
     result = run_cli("status", "--python", str(python))
     assert result.exit_code == ExitCode.USAGE

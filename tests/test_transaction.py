@@ -46,23 +46,25 @@ def test_atomic_write_failure_leaves_the_old_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("failing_replace", [1, 2, 3, 4])
 def test_a_failed_replace_rolls_everything_back(sm120patch, serving_env, monkeypatch, failing_replace):
-    """os.replace fails (EIO) at the N-th package file: apply exits 4, and every file, the
-    state directory and the JIT cache are exactly as before (entries were only moved aside)."""
+    """The rename over the N-th package file fails (EIO): apply exits 4, and every file, the
+    state directory and the JIT cache are exactly as before (entries were only moved aside).
+    (Renames go through directory descriptors: the name renamed over is the file's own name.)"""
     serving_env.seed_jit()
     before = snapshot(serving_env)
-    real_replace = os.replace
+    real_rename = os.rename
     calls = {"n": 0}
+    names = {os.path.basename(p) for p in (*FLASHINFER_FILES, COMMUNICATOR)}
 
-    def flaky_replace(src, dst):
-        if any(str(dst).endswith(p) for p in (*FLASHINFER_FILES, COMMUNICATOR)):
+    def flaky_rename(src, dst, **fds):
+        if os.path.basename(str(dst)) in names and ".sm120patch-" in os.path.basename(str(src)):
             calls["n"] += 1
             if calls["n"] == failing_replace:
                 raise OSError(errno.EIO, "Input/output error", str(dst))
-        return real_replace(src, dst)
+        return real_rename(src, dst, **fds)
 
-    monkeypatch.setattr(os, "replace", flaky_replace)
+    monkeypatch.setattr(os, "rename", flaky_rename)
     result = sm120patch("apply")
-    monkeypatch.setattr(os, "replace", real_replace)
+    monkeypatch.setattr(os, "rename", real_rename)
     assert result.exit_code == ExitCode.FAILED
     assert "Input/output error" in result.output and "the environment is as it was" in result.output
     assert "Traceback" not in result.output

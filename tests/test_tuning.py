@@ -706,7 +706,8 @@ def test_tune_json_is_the_entry_and_where_it_went(tuned, tmp_path):
     assert result.exit_code == 0
     document = json.loads(result.stdout)
     assert document["entry"] == json_of(path)["entries"]["4"] and document["errors"] == []
-    assert document["profile"] == {"path": str(path), "replaced_tp": False, "other_box": False, "kept": []}
+    assert document["profile"] == {"path": str(path), "replaced_tp": False, "other_box": False, "kept": [],
+                                   "foreign_owner": None}
     assert document["world_size"] == 4 and document["flashinfer"] == "0.6.4"
 
 

@@ -12,7 +12,7 @@
 # of `status`): the answer is a Python literal (repr), which sm120patch reads with
 # ast.literal_eval, and names are matched with str methods.
 #
-# argv[1:]: the distribution names. Prints one Python literal (a dict) on stdout.
+# argv[1:]: the distribution names. Answers one Python literal (a dict): answer() says where.
 import os
 import sys
 
@@ -124,11 +124,30 @@ def describe(wanted, listings):
     })
 
 
+# The answer is framed, on a pipe of its own (its descriptor in SM120PATCH_PROBE_FD): whatever
+# else the interpreter prints (a .pth's banner, a wrapper script's messages) goes to stdout and
+# is not read, and sm120patch stops reading at the end mark, whoever else holds the pipe open
+# (a wrapper's background job). Run by hand, without the variable, it prints to stdout.
+BEGIN, END = "\x1esm120patch-answer\n", "\n\x1esm120patch-end\n"
+
+
+def answer(text):
+    fd = os.environ.get("SM120PATCH_PROBE_FD")
+    if not fd:
+        print(text)
+        return
+    data = (BEGIN + text + END).encode("utf-8", "surrogateescape")
+    fd = int(fd)
+    while data:
+        data = data[os.write(fd, data):]
+    os.close(fd)
+
+
 def main():
     listings = {}
     import site
 
-    print(repr({
+    answer(repr({
         "executable": sys.executable,
         "python_version": "%d.%d.%d" % sys.version_info[:3],
         "prefix": sys.prefix,

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
 from contextlib import ExitStack
 from typing import Sequence
 
-from sm120patch import driver, jitbuild, jitcache, signals
+from sm120patch import dirfd, driver, jitbuild, jitcache, signals
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
 from sm120patch.errors import BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, UsageError
@@ -262,7 +261,7 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
     for site_dir in located.state_dirs:  # temporaries and empty directories a killed run left
         if not journal_at(site_dir).exists():
             for temporary in temporaries(site_dir):
-                temporary.unlink(missing_ok=True)
+                dirfd.unlink(temporary, missing_ok=True)
                 report.leftovers_removed.append(temporary)
             prune(state_root(site_dir))
     if not runs:
@@ -274,10 +273,10 @@ def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -
             base = jitcache.cache_base(request.jit_base, owner=tree.owner)
             for aside in jitcache.asides(tree.raw_version, base.path, module):
                 if aside.name.rsplit("-", 1)[-1] in ids:
-                    shutil.rmtree(aside, ignore_errors=True)
+                    dirfd.rmtree(aside)
                     report.leftovers_removed.append(aside)
     for run in sorted(runs):
-        shutil.rmtree(run, ignore_errors=True)
+        dirfd.rmtree(run)
         report.leftovers_removed.append(run)
         prune(run.parent.parent)
 

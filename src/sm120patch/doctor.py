@@ -259,6 +259,9 @@ def examine_environment(report: DoctorReport, status: StatusReport) -> None:
                 report.add("warn", f"stale JIT cache entry {entry}: remove it (sm120patch apply does)")
             for entry, source in item.jit.foreign.items():
                 report.add("info", f"JIT cache entry {entry} was built from another environment's sources ({source})")
+    for directory, who in status.exposed:
+        report.add("info", f"{directory} and below: {who} can change them; as root, sm120patch writes there by directory "
+                           "descriptors only and runs that environment's programs as its owner")
     if not status.trees:
         report.add("info", f"none of {', '.join(status.registry_names)} is installed in this environment")
     for shadow in status.aot:

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from sm120patch import terminal
+from sm120patch import runas, terminal
 from sm120patch.errors import Sm120PatchError, TargetError
 from sm120patch.fileio import NotRegularFile, read_regular
 from sm120patch.state import InstallState
@@ -33,6 +33,7 @@ from sm120patch.state import InstallState
 _EXACT_PIN = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(?:\[[^\]]*\])?\s*\(?\s*===?\s*([^\s,;()]+)\s*\)?\s*$")
 
 PROBE_TIMEOUT_S = 60
+_BEGIN, _END = b"\x1esm120patch-answer\n", b"\n\x1esm120patch-end\n"  # _probe.py's frame
 MINIMUM_PYTHON = (3, 8)
 # Distributions sm120patch reports on without patching them, and the RECORD rows it wants.
 FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
@@ -260,22 +261,42 @@ def _probe_source() -> str:
 class Probe(NamedTuple):
     """The probe running in the target interpreter; :meth:`result` waits for it. It needs only
     distribution names: started before the patch data is read and the rest of sm120patch is
-    imported, it runs while they are (``status`` stays fast)."""
+    imported, it runs while they are (``status`` stays fast). As root on another user's
+    environment it runs as that user (sm120patch.runas), and it answers on a pipe of its own,
+    framed (_probe.py): what else the interpreter prints is not read."""
 
     executable: str
     process: subprocess.Popen | None = None
     error: TargetError | None = None
     chosen_by: str = ""  # no --python: why this interpreter is the target (default_target)
+    answer_fd: int = -1  # the read end of the probe's answer pipe
 
     def stop(self) -> None:
-        """Kill the probe and whatever it started (a wrapper script's children): its own session."""
-        import signal
+        """Kill the probe and whatever it started: its session, and every process carrying its
+        token (a child that left the session)."""
+        runas.end(self.process)
 
+    def _read_answer(self) -> bytes | None:
+        """The framed answer, read until its end mark (or the pipe's end: no answer), within
+        PROBE_TIMEOUT_S; raises subprocess.TimeoutExpired when none came in time."""
+        import select
+        import time
+
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        data = b""
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self.process.wait()
+            while _END not in data:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.answer_fd], [], [], left)[0]:
+                    raise subprocess.TimeoutExpired(self.executable, PROBE_TIMEOUT_S)
+                chunk = os.read(self.answer_fd, 1 << 16)
+                if not chunk:
+                    return None
+                data += chunk
+        finally:
+            os.close(self.answer_fd)
+        begin = data.find(_BEGIN)
+        return data[begin + len(_BEGIN):data.index(_END)] if begin != -1 else None
 
     def result(self, wanted: Callable[[str, str], Mapping] | None = None) -> Environment:
         """Wait for the probe. ``wanted(name, version)`` says which rows of an installed
@@ -284,14 +305,19 @@ class Probe(NamedTuple):
         if self.error is not None:
             raise self.error
         try:
-            stdout, stderr = self.process.communicate(timeout=PROBE_TIMEOUT_S)
+            answer = self._read_answer()
         except BaseException as exc:  # no answer in time, or a signal: nothing it started may outlive it
             self.stop()
             if isinstance(exc, subprocess.TimeoutExpired):
                 raise TargetError(f"--python {self.executable}: no answer within {PROBE_TIMEOUT_S} s") from None
             raise
+        # Answered: what the interpreter left running (a wrapper's background job, in its session
+        # or out of it) goes with it; the probe itself has exited or is about to.
+        runas.end(self.process)
         try:
-            data = ast.literal_eval(stdout)  # the probe answers with a Python literal (no json there)
+            if answer is None:
+                raise ValueError("no answer")
+            data = ast.literal_eval(answer.decode("utf-8", "surrogateescape"))  # a Python literal (no json there)
             data["distributions"].items()
             version = tuple(int(part) for part in data["python_version"].split("."))
         except (ValueError, TypeError, KeyError, SyntaxError, MemoryError, RecursionError, AttributeError):
@@ -364,16 +390,19 @@ def start_probe(python: str | os.PathLike | None, names) -> Probe:
         return Probe(os.fspath(python), error=exc)
     # Normalized: the probe's answer is keyed by the names asked, and sm120patch looks them up so.
     request = list(dict.fromkeys(normalize_name(name) for name in [*COMPANIONS, *names]))
+    read_fd, write_fd = os.pipe()
     try:
-        process = subprocess.Popen(
-            [executable, "-c", _probe_source(), *request],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
-            cwd="/",  # keep the caller's working directory off the target's sys.path
-            start_new_session=True,  # a process group of its own, killed whole if it does not answer
-        )
+        # As its owner when root runs on another user's environment; a session of its own,
+        # killed whole (with what left it) if it does not answer.
+        process = runas.popen([executable, "-c", _probe_source(), *request], runas.environment_owner(executable),
+                              env=dict(os.environ, SM120PATCH_PROBE_FD=str(write_fd)), pass_fds=(write_fd,),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     except OSError as exc:
+        os.close(read_fd)
         return Probe(executable, error=TargetError(f"--python {executable}: could not run it ({exc.strerror or exc})"))
-    return Probe(executable, process, chosen_by=chosen_by)
+    finally:
+        os.close(write_fd)
+    return Probe(executable, process, chosen_by=chosen_by, answer_fd=read_fd)
 
 
 def _json_or_none(text: str | None) -> Mapping | None:

@@ -1,7 +1,7 @@
 """Writing a user's files: a file is never written in place (new bytes go to a temporary file
-beside it, fsynced, given the old file's mode and owner, and renamed over it); the pre-flight
-that refuses, before the first change, what cannot be written; and what a path holds, as the
-journal records it.
+beside it, fsynced, given the old file's mode and owner, and renamed over it, each step through
+directory descriptors: :mod:`sm120patch.dirfd`); the pre-flight that refuses, before the first
+change, what cannot be written; and what a path holds, as the journal records it.
 
 Reading one is :mod:`sm120patch.fileio`, kept apart because :mod:`sm120patch.state` reads with
 it and this module needs ``state``'s owners."""
@@ -13,52 +13,31 @@ import stat
 from pathlib import Path
 from typing import Sequence
 
+from sm120patch import dirfd
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
-from sm120patch.state import Owner, permission_hint, temporary
+from sm120patch.state import Owner, permission_hint
 
 ASIDE_TAG = ".sm120patch-aside-"  # a JIT entry moved aside: <cached_ops>/.<module>.sm120patch-aside-<run>
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, data: bytes, *, like: os.stat_result | None = None, owner: Owner | None = None) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, give it ``like``'s mode and
-    owner (else ``owner``), ``os.replace`` it over ``path`` and fsync the directory."""
-    tmp = temporary(path)
-    try:  # from the moment the file exists: an exception (a signal too) takes it away again
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if like is None else stat.S_IMODE(like.st_mode))
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _take_attributes(tmp, like, owner)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # a write, an fsync (ENOSPC, EIO): the file it was for
+    """Write ``data`` to a new file beside ``path`` (O_EXCL|O_NOFOLLOW, a random name), give it
+    ``like``'s mode and owner (else mode 0600 and ``owner``) on its descriptor, fsync it and
+    rename it over ``path`` (:func:`sm120patch.dirfd.write_file`: never a call by a path
+    another user could swap in between)."""
+    try:
+        if like is not None:
+            dirfd.write_file(path, data, mode=stat.S_IMODE(like.st_mode), owner=(like.st_uid, like.st_gid))
+        else:
+            dirfd.write_file(path, data, mode=0o600, owner=tuple(owner) if owner is not None else None)
+    except OSError as exc:
+        # A write or an fsync (ENOSPC, EIO) names no file, a call by descriptor only the temporary
+        # name: the error names the file it was for.
+        if exc.filename is None or not os.path.isabs(str(exc.filename)):
             exc.filename = str(path)
         raise
-    fsync_dir(path.parent)
-
-
-def _take_attributes(path: Path, like: os.stat_result | None, owner: Owner | None) -> None:
-    if like is not None:
-        os.chmod(path, stat.S_IMODE(like.st_mode))
-        if os.geteuid() == 0:
-            os.chown(path, like.st_uid, like.st_gid)
-    elif owner is not None:
-        owner.apply(path)
 
 
 # -- what a path holds: the before- and after-states the journal records ----------------------
@@ -86,11 +65,11 @@ def prune(directory: Path) -> None:
     for child in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         if child.is_dir() and not child.is_symlink():
             try:
-                child.rmdir()
+                dirfd.rmdir(child)
             except OSError:
                 pass
     try:
-        directory.rmdir()
+        dirfd.rmdir(directory)
     except OSError:
         pass
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from sm120patch import signals
+from sm120patch import dirfd, runas, signals
 from sm120patch.errors import CheckFailedError, TargetError, UsageError
 from sm120patch.state import Owner
 from sm120patch.words import counted
@@ -151,7 +151,9 @@ def missing_for_build(python: Path | str) -> list[str]:
     toolkit FlashInfer takes (:func:`cuda_home`). Asked before anything is written or announced."""
     missing = []
     try:
-        proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/")
+        user = runas.environment_owner(python)  # as root on another user's environment: as that user
+        proc = subprocess.run([str(python), "-c", _NEEDS], capture_output=True, text=True, timeout=60, cwd="/",
+                              env=user.environ(), **user.popen_args())
         found = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         found = {"torch": False}
@@ -243,7 +245,9 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
     if arch:
         server_env["FLASHINFER_CUDA_ARCH_LIST"] = arch
     env = dict(server_env, MAX_JOBS=str(jobs or os.cpu_count() or 1), PYTHONUNBUFFERED="1")
-    run_as = _run_as(owner)
+    # As the cache base's owner; where that is root's, still never as root for another user's
+    # environment (its interpreter runs its owner's code: sm120patch.runas).
+    run_as = _run_as(owner) or runas.environment_owner(python).popen_args()
     start = time.monotonic()
     if progress:
         progress(f"building {module} with FlashInfer's JIT in {python} for "
@@ -259,13 +263,13 @@ def build(python: Path, *, spec: str, module: str, base: Path, arch: str | None,
                                                     Path(events["build_dir"]), owner, events)
     except BaseException:  # a signal (the build's processes are gone by now), or a stub that cannot be made
         with signals.held():  # a second Ctrl-C must not leave the removal half done
-            _remove_partial(events)
+            _remove_partial(events, base, module)
         raise
     elapsed = time.monotonic() - start
     where = events.get("build_dir")
     if "error" in events:
         home = _ninja_cuda_home(Path(where)) if where else None
-        removed = _remove_partial(events)
+        removed = _remove_partial(events, base, module)
         kind = events.get("kind")
         if kind == "import":
             raise TargetError(f"FlashInfer's JIT does not import in {python}: {events['error']}",
@@ -312,19 +316,27 @@ def sm120_archs(python: Path) -> list[str] | None:
     up to 0.6.6, ``["12.0f"]`` from 0.6.7 where nvcc is 12.9 or later); None where it cannot say.
     ``build`` gets the same answer from its proof."""
     env = {k: v for k, v in os.environ.items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
-    events, _ = _run(python, {"spec": "", "phase": "sm120"}, env, {}, None)
+    # As root on another user's environment, its interpreter runs as that user (sm120patch.runas).
+    events, _ = _run(python, {"spec": "", "phase": "sm120"}, env, runas.environment_owner(python).popen_args(), None)
     return events.get("sm120")
 
 
-def _remove_partial(events: dict) -> bool:
+def _remove_partial(events: dict, base: Path, module: str) -> bool:
     """The entry a build that did not finish leaves (build.ninja, .d and object files, no
     library), which FlashInfer would take for its own at the next start, and status for a
     built one. An entry that had its library before this build is left as it was: the build
-    did not make it."""
+    did not make it. The build (the target's code, run as the cache's owner) says where its
+    entry is: only a path of the form FlashInfer gives it, ``<base>/.cache/flashinfer/<version>/
+    <archs>/cached_ops/<module>``, is removed, by directory descriptor (sm120patch.dirfd)."""
     where = events.get("build_dir")
     if not where or events.get("had_library") or Path(events.get("library") or where).is_file():
         return False
-    shutil.rmtree(where, ignore_errors=True)
+    entry = Path(os.path.normpath(os.path.join(base, where)))
+    cache = Path(os.path.normpath(base)) / ".cache" / "flashinfer"
+    if not (entry.is_relative_to(cache) and len(entry.relative_to(cache).parts) == 4
+            and entry.parent.name == "cached_ops" and entry.name == module):
+        return False
+    dirfd.rmtree(entry)
     return True
 
 

@@ -66,6 +66,10 @@ def cache_base(override: str | os.PathLike | None = None, *, owner: Owner | None
             home = None
         if home:
             return CacheBase(Path(home), f"the home of {owner.user}, who owns the environment (sm120patch runs as root)")
+        # No passwd entry (a container's numeric uid): the server's home is not known here, and
+        # root's own is surely not it. Said, so that a wrong base is never cleaned silently.
+        return CacheBase(Path.home(), f"$HOME, root's: uid {owner.uid}, who owns the environment, has no home in "
+                                      "the passwd database (pass --jit-cache-base with the server's base)")
     return CacheBase(Path.home(), "$HOME")
 
 

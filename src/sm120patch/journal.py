@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from sm120patch import __version__, terminal
+from sm120patch import __version__, dirfd, terminal
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.state import Owner, stash_root, state_root
@@ -92,7 +92,7 @@ def read_journal(path: Path, *, revert_command: str = REVERT_FORCE) -> Journal |
     if isinstance(document, dict) and "primary" in document:
         primary = Path(document["primary"])
         if not primary.exists():
-            path.unlink(missing_ok=True)
+            dirfd.unlink(path, missing_ok=True)
             return None
         return read_journal(primary, revert_command=revert_command)
     try:

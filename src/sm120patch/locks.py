@@ -8,11 +8,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from sm120patch import dirfd
 from sm120patch.errors import TransactionError, UsageError
 from sm120patch.state import Owner, missing_parents
 
@@ -52,17 +54,19 @@ def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[st
     made: list[Path] = []
     try:
         fd = None
+        # Every step by descriptor (sm120patch.dirfd): the lock file and its directories sit in
+        # a service user's cache, where that user can swap any name for a link meanwhile.
         if create and not path.exists():
             made = _make_dirs(path.parent, owner)
             try:  # O_EXCL: a file another process creates meanwhile is theirs, never removed here
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = dirfd.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 made.append(path)
             except FileExistsError:
                 pass
-            if fd is not None and owner is not None:
-                owner.apply(path)
+            if fd is not None and owner is not None and os.geteuid() == 0 and owner.uid != 0:
+                os.fchown(fd, owner.uid, owner.gid)
         if fd is None:  # an flock needs no write access: a lock file another user made works as well
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_existing(path)
     except OSError as exc:
         _remove_made(made)
         raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
@@ -94,12 +98,29 @@ def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[st
         os.close(fd)  # closing releases the lock
 
 
+def _open_existing(path: Path) -> int:
+    """A descriptor to flock of the directory or regular file at ``path``: a link at its end is
+    not followed (it could lead anywhere), nor is a FIFO waited on."""
+    try:
+        return dirfd.open_dir(path)
+    except NotADirectoryError:
+        pass
+    fd = dirfd.open_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
 def _remove_made(made: list[Path]) -> None:
     """What ``flock`` created (a lock file, then its directories, deepest first), as far as
     nothing else has been put there since."""
     for path in reversed(made):
         try:
-            path.rmdir() if path.is_dir() else path.unlink()
+            try:
+                dirfd.rmdir(path)
+            except NotADirectoryError:  # the lock file
+                dirfd.unlink(path)
         except OSError:  # someone else's file in it now: it stays, and so do its parents
             return
 
@@ -108,15 +129,15 @@ def _make_dirs(directory: Path, owner: Owner | None) -> list[Path]:
     """``directory`` and its missing parents, each given ``owner``: root creating FlashInfer's
     ``cached_ops/tmp/`` in a service user's cache must leave it that user's, or the user could
     no longer create the lock of any module there (the server would fail to build or load)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
     made = []
     for path in missing_parents(directory):
-        try:
-            path.mkdir()  # the mode FlashInfer's own makedirs gives it (0777 less the umask)
+        try:  # the mode FlashInfer's own makedirs gives it (0777 less the umask)
+            dirfd.mkdir(path, mode=0o777 & ~umask, owner=tuple(owner) if owner is not None else None)
         except FileExistsError:
             continue
         made.append(path)
-        if owner is not None:
-            owner.apply(path)
     return made
 
 
@@ -184,7 +205,7 @@ def someone_holds(path: Path) -> bool:
     install location (a status must not call its journal an interrupted run), FlashInfer
     building a module under its lock file (nor its half-built entry an abandoned one)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_existing(path)  # never a wait on a FIFO planted there
     except OSError:
         return False
     try:

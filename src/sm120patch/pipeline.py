@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 from packaging.version import InvalidVersion, Version
 
 from sm120patch import chain, terminal, tunedlimits
+from sm120patch.dirfd import exposure
 from sm120patch.assess import assess, present_by_meaning
 from sm120patch.checkout import CheckoutTree, open_checkout
 from sm120patch.distributions import ANY, Registry, load_registry
@@ -244,7 +245,19 @@ def _status(request: Request, registry: Registry, located: Located, device) -> S
                         chosen_by=located.chosen_by,
                         registry_names=registry.names, apply_command=located.command("apply"),
                         orphans=[o for d in site_dirs for o in orphans(d)],
-                        temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)])
+                        temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)],
+                        exposed=_exposed([*site_dirs, *(t.jit.base.path for t in trees if t.jit is not None)]))
+
+
+def _exposed(paths) -> list[tuple[Path, str]]:
+    """As root: where another user can change a directory on the way to what a run writes
+    (status and doctor say so; the writes go by descriptor there: sm120patch.dirfd)."""
+    found = {}
+    for path in paths:
+        hit = exposure(path)
+        if hit is not None:
+            found.setdefault(hit[0], hit[1])
+    return list(found.items())
 
 
 def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> list[TreeStatus]:

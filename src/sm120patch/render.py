@@ -299,6 +299,13 @@ def render_status(report: StatusReport) -> str:
         lines.append("")
         lines.append(f"AOT: {shadow.path} ({shadow.source})")
         lines.append(f"  ! {AOT_HINT}")
+    if report.exposed:
+        lines.append("")
+        lines.append("Run as root where another user can change the directories (sm120patch writes there by directory "
+                     "descriptors only, never following a link they could plant, and runs that environment's programs "
+                     "as its owner):")
+    for directory, who in report.exposed:
+        lines.append(f"  note: {directory} and below: {who} can change them")
     if report.orphans or report.temporaries:
         lines.append("")
         lines.append(f"Left behind (`{report.apply_command}` or a revert removes it):")
@@ -398,6 +405,7 @@ def status_json(report: StatusReport) -> dict:
         "orphaned_state": [{"state": str(o.state.root), "install": o.name, "files": [str(f) for f in o.files]}
                            for o in report.orphans],
         "leftover_temporaries": [str(p) for p in report.temporaries],
+        "changeable_by_others": [{"path": str(d), "by": who} for d, who in report.exposed],
         "next": next_json(status_next(report)),
     }
     for item in report.trees:
@@ -945,7 +953,9 @@ def render_tune(report: TuneReport) -> str:
     written = report.profile
     if written is not None:
         done = [f"wrote the TP{world} limits into {written.path}"]
-        if written.other_box:
+        if written.foreign_owner:
+            done.append(f"replacing a file {written.foreign_owner} owned (nothing of it kept)")
+        elif written.other_box:
             done.append("replacing a profile made on another box")
         elif written.replaced_tp:
             done.append(f"replacing its earlier TP{world} entry")
@@ -970,7 +980,8 @@ def tune_json(report: TuneReport) -> dict:
         "entry": report.entry,
         "profile": None if report.profile is None else {
             "path": str(report.profile.path), "replaced_tp": report.profile.replaced_tp,
-            "other_box": report.profile.other_box, "kept": list(report.profile.kept)},
+            "other_box": report.profile.other_box, "kept": list(report.profile.kept),
+            "foreign_owner": report.profile.foreign_owner},
         "pcie_ipc": report.meta["tune"].get("pcie_ipc", []),
         "errors": [error.message for error in report.errors],
     }

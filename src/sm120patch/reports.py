@@ -60,6 +60,7 @@ class StatusReport(NamedTuple):
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
     orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
     temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
+    exposed: Sequence[tuple[Path, str]] = ()  # as root: directories on the way to a target another user can change, and who
 
     errors = ()  # every finding is in the report
 

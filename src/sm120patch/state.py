@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-from sm120patch import __version__, terminal
+from sm120patch import __version__, dirfd, terminal
 from sm120patch.errors import TransactionError, newer_format
 from sm120patch.fileio import read_regular
 from sm120patch.hashing import sha256
@@ -45,7 +45,9 @@ class Owner(NamedTuple):
         return cls(info.st_uid, info.st_gid)
 
     def apply(self, path: Path) -> None:
-        """Give ``path`` this owner when sm120patch can (as root); otherwise it is ours already."""
+        """Give ``path`` this owner when sm120patch can (as root); otherwise it is ours already.
+        Only for a path no other user can change (a temporary directory sm120patch made): in an
+        environment, :mod:`sm120patch.dirfd` owns each new entry on its descriptor."""
         if os.geteuid() == 0 and (self.uid, self.gid) != (0, 0):
             os.chown(path, self.uid, self.gid, follow_symlinks=False)
 
@@ -103,22 +105,22 @@ def missing_parents(path: Path) -> list[Path]:
 
 
 def ensure_dir(path: Path, owner: Owner) -> None:
-    """Create ``path`` and its missing parents (mode 0700, owned by ``owner``); refuse a state
-    directory that other users can write to."""
+    """Create ``path`` and its missing parents (mode 0700, owned by ``owner``, both set on the
+    new directory's descriptor: dirfd.mkdir); refuse a state directory that other users can
+    write to."""
     for directory in missing_parents(path):
         try:
-            directory.mkdir(mode=STATE_DIR_MODE)
+            dirfd.mkdir(directory, mode=STATE_DIR_MODE, owner=tuple(owner))
         except FileExistsError:
             continue
         except PermissionError:
             raise TransactionError(
                 f"cannot create sm120patch's state directory {directory}: permission denied; nothing was changed",
-                hint=f"{permission_hint(probe, owner)}, or set SM120PATCH_STATE_DIR",
+                hint=f"{permission_hint(directory.parent, owner)}, or set SM120PATCH_STATE_DIR",
             ) from None
         except OSError as exc:
             raise TransactionError(f"cannot create sm120patch's state directory {directory}: {exc.strerror}; "
                                    "nothing was changed") from None
-        owner.apply(directory)
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise TransactionError(f"state directory {path} is writable by other users", hint=f"chmod go-w {terminal.quote(str(path))}")
@@ -262,14 +264,27 @@ TEMPORARY_SUFFIXES = ("tmp", "link")  # a file's new bytes; a symbolic link's ne
 
 
 def temporary(path: Path, suffix: str = "tmp", pid: int | None = None) -> Path:
-    """The name of the temporary file beside ``path`` that a process (default: this one)
-    replaces it with. Named here, with the pattern that finds them, so the two cannot drift."""
+    """A name of a temporary file beside ``path`` that a process (default: this one) replaces
+    it with: its pid and a random part (dirfd.temporary_name, which makes them). Named here, with
+    the pattern that finds them, so the two cannot drift."""
     if suffix not in TEMPORARY_SUFFIXES:  # a name the cleanup would never find
         raise ValueError(f"not a temporary suffix: {suffix!r}")
-    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}.{suffix}")
+    return path.with_name(f".{path.name}.sm120patch-{os.getpid() if pid is None else pid}-{dirfd.unique()}.{suffix}")
 
 
-TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+\.(%s)$" % "|".join(TEMPORARY_SUFFIXES))  # temporary()'s names
+def temporaries_of(path: Path, pid: int) -> list[Path]:
+    """The temporary files process ``pid`` made beside ``path`` (a run killed before it renamed
+    them)."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    prefix = f".{path.name}.sm120patch-{pid}-"
+    return [path.with_name(n) for n in names if n.startswith(prefix) and TEMPORARY.match(n)]
+
+
+# temporary()'s names (and those of sm120patch releases before the random part)
+TEMPORARY = re.compile(r"^\..+\.sm120patch-\d+(-[0-9a-f]{8})?\.(%s)$" % "|".join(TEMPORARY_SUFFIXES))
 
 
 def stash_root(root: Path) -> Path:

@@ -25,20 +25,21 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from sm120patch import fileops, signals
+from sm120patch import dirfd, fileops, signals
 from sm120patch.errors import TransactionError
 from sm120patch.fileio import read_regular
-from sm120patch.fileops import aside_path, check_writable, describe, fsync_dir, prune, temporary
+from sm120patch.fileops import aside_path, check_writable, describe, prune
 from sm120patch.hashing import sha256
 from sm120patch.records import Recovery
 from sm120patch.journal import REVERT_FORCE, Journal, journal_at, journal_in, read_journal
-from sm120patch.state import TEMPORARY_SUFFIXES, Owner, ensure_dir, stash_root
+from sm120patch.state import Owner, ensure_dir, stash_root, temporaries_of
 from sm120patch.words import counted
 
 # shutil is imported inside the functions that copy or remove: `status` imports this module
@@ -134,32 +135,28 @@ class Transaction:
     def apply(self) -> None:
         for change, entry in zip(self.changes, self.entries):
             if change.op == "aside":
-                os.rename(change.path, entry["aside"])
+                dirfd.rename(change.path, entry["aside"])
                 continue
             if "stash" in entry:
                 stash = Path(entry["stash"])
                 ensure_dir(stash.parent, self.owners[change.root])
                 _stash(change.path, stash)
             if change.op == "write":
-                like = change.path.stat() if change.path.exists() and not change.path.is_symlink() else None
-                if change.path.is_symlink():  # replace the link itself, never write through it
-                    change.path.unlink()
+                # The mode and owner of the file it replaces (the entry itself: a link is
+                # replaced, never written through, and gives nothing), read by descriptor.
+                try:
+                    like = dirfd.lstat(change.path)
+                except FileNotFoundError:
+                    like = None
+                if like is not None and not stat.S_ISREG(like.st_mode):
+                    like = None
                 fileops.atomic_write(change.path, change.data, like=like, owner=change.owner)
             elif change.op == "restore":
                 _place(change.source, change.path)
             elif change.op == "symlink":
-                tmp = temporary(change.path, "link")
-                tmp.unlink(missing_ok=True)
-                try:
-                    os.symlink(change.target, tmp)
-                    os.replace(tmp, change.path)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                fsync_dir(change.path.parent)
+                dirfd.symlink(change.path, change.target)
             elif change.op == "remove":
-                change.path.unlink(missing_ok=True)
-                fsync_dir(change.path.parent)
+                dirfd.unlink(change.path, missing_ok=True)
 
     def verify(self) -> None:
         """Read every changed path back before the commit point."""
@@ -175,24 +172,21 @@ class Transaction:
     # -- commit ----------------------------------------------------------------------------------
     def commit(self) -> None:
         signals.commit_point(self.operation)  # from here the change stands: a signal is only noted
-        self.journal.unlink()  # the commit point
-        fsync_dir(self.journal.parent)
+        dirfd.unlink(self.journal)  # the commit point
         for root in self.roots[1:]:
-            journal_in(root).unlink(missing_ok=True)
+            dirfd.unlink(journal_in(root), missing_ok=True)
         self._cleanup()
         for root in self.roots:
             prune(root)
 
     def _cleanup(self) -> None:
-        import shutil
-
         # Asides first, stash last: a run killed here leaves its stash/<run> directory, which
         # is how the next run finds (by the run id in their names) the asides still to delete.
         for entry in self.entries:
             if entry["op"] == "aside":
-                shutil.rmtree(entry["aside"], ignore_errors=True)
+                dirfd.rmtree(entry["aside"])
         for root in self.roots:
-            shutil.rmtree(self.stash_dir(root), ignore_errors=True)
+            dirfd.rmtree(self.stash_dir(root))
 
     def run_all(self) -> None:
         """begin -> changes -> read-back -> commit; on any failure (Ctrl-C too) roll back."""
@@ -237,49 +231,18 @@ def _what(exc: BaseException) -> str:
 def _stash(path: Path, stash: Path) -> None:
     """Keep ``path``'s current entry at ``stash``: a hard link (the same inode: no new space,
     the same mode and owner), else a copy (another file system)."""
-    import shutil
-
     try:
-        os.link(path, stash, follow_symlinks=False)
+        dirfd.link(path, stash)
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
-        if path.is_symlink():
-            os.symlink(os.readlink(path), stash)
-        else:
-            shutil.copy2(path, stash)
-            info = path.stat()
-            if os.geteuid() == 0:
-                os.chown(stash, info.st_uid, info.st_gid)
-            fd = os.open(stash, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(stash.parent)
+        dirfd.copy(path, stash)
 
 
 def _place(source: Path, path: Path) -> None:
     """Put the file at ``source`` at ``path``, atomically: a hard link renamed over it (no new
     space), else a copy."""
-    import shutil
-
-    tmp = temporary(path)
-    tmp.unlink(missing_ok=True)
-    try:  # from the moment the link exists: an exception (a signal too) takes it away again
-        try:
-            os.link(source, tmp, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise
-            shutil.copy2(source, tmp, follow_symlinks=False)
-        if path.is_symlink():
-            path.unlink()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    dirfd.place(source, path)
 
 
 def rollback(journal_path: Path, *, revert_command: str = REVERT_FORCE) -> tuple[str, ...]:
@@ -314,22 +277,20 @@ def _rollback(journal_path: Path, revert_command: str) -> tuple[str, ...]:
         if entry["op"] == "aside":
             aside = Path(entry["aside"])
             if aside.is_dir() and not path.exists():
-                os.rename(aside, path)
+                dirfd.rename(aside, path)
                 restored.append(entry["label"] or str(path))
             continue
         before = entry["before"]
         if describe(path) == before:
             continue
         if before["type"] == "missing":
-            path.unlink(missing_ok=True)
-            fsync_dir(path.parent)
+            dirfd.unlink(path, missing_ok=True)
         else:
             stash = Path(entry["stash"])
             if _same_fs(stash, path):
-                os.replace(stash, path)
+                dirfd.rename(stash, path)
             else:
                 _place(stash, path)
-            fsync_dir(path.parent)
         restored.append(entry["label"] or str(path))
     _drop_journals(journal)
     return tuple(restored)
@@ -356,24 +317,22 @@ def _at_after(entry: dict) -> bool:
 
 
 def _drop_journals(journal: Journal) -> None:
-    import shutil
-
     pid = journal.pid
     for entry in journal.entries if pid is not None else ():  # killed between making a temporary and renaming it
-        for suffix in TEMPORARY_SUFFIXES:
-            temporary(Path(entry["path"]), suffix, pid).unlink(missing_ok=True)
-    journal.path.unlink(missing_ok=True)
+        for tmp in temporaries_of(Path(entry["path"]), pid):
+            dirfd.unlink(tmp, missing_ok=True)
+    dirfd.unlink(journal.path, missing_ok=True)
     roots = [Path(r) for r in journal.roots]
     for root in roots:
-        journal_in(root).unlink(missing_ok=True)
-        shutil.rmtree(stash_root(root) / journal.run, ignore_errors=True)
+        dirfd.unlink(journal_in(root), missing_ok=True)
+        dirfd.rmtree(stash_root(root) / journal.run)
         try:
-            stash_root(root).rmdir()
+            dirfd.rmdir(stash_root(root))
         except OSError:
             pass
     for entry in journal.entries:
         if entry["op"] == "aside":
-            shutil.rmtree(entry["aside"], ignore_errors=True)
+            dirfd.rmtree(entry["aside"])
     for root in roots:  # the directories the rolled-back run made for its state, if now empty
         prune(root)
 
@@ -389,7 +348,7 @@ def recover(site_dirs: Sequence[Path], *, force: bool = False, revert_command: s
         except TransactionError:
             if not force:
                 raise
-            path.unlink(missing_ok=True)
+            dirfd.unlink(path, missing_ok=True)
             return Recovery("unknown", (), finished=False)
         if journal is None:
             continue

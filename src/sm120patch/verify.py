@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sm120patch import ptx, signals
+from sm120patch import ptx, runas, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
 from sm120patch.jitbuild import end_group, missing_for_build, start_build
@@ -89,11 +89,13 @@ def runtime_checks(python: Path, items: list[TreeStatus]) -> list[CheckResult]:
                    and not (spec.jit_spec and f[:-3].replace("/", ".") == spec.jit_spec.split(":")[0])]
         request = {"jit_spec": spec.jit_spec, "modules": modules}
         with tempfile.TemporaryDirectory(prefix="sm120patch-runtime-") as workspace:
-            env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=workspace)
+            user = runas.environment_owner(python)  # as root on another user's environment: as that user
+            user.give(Path(workspace))
+            env = user.environ(dict(os.environ, FLASHINFER_WORKSPACE_BASE=workspace))
             if spec.arch_list:
                 env["FLASHINFER_CUDA_ARCH_LIST"] = spec.arch_list
             proc = subprocess.run([str(python), "-c", script, json.dumps(request)],
-                                  capture_output=True, text=True, env=env, cwd="/", timeout=600)
+                                  capture_output=True, text=True, env=env, cwd="/", timeout=600, **user.popen_args())
         try:
             out = json.loads(proc.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -214,14 +216,17 @@ out["library"] = os.path.exists(spec.jit_library_path)
 print(json.dumps(out))
 """
     with tempfile.TemporaryDirectory(prefix="sm120patch-build-") as workspace:
-        env = dict(os.environ, FLASHINFER_CUDA_ARCH_LIST=arch_list, FLASHINFER_WORKSPACE_BASE=workspace)
+        user = runas.environment_owner(python)  # as root on another user's environment: as that user
+        user.give(Path(workspace))
+        env = user.environ(dict(os.environ, FLASHINFER_CUDA_ARCH_LIST=arch_list, FLASHINFER_WORKSPACE_BASE=workspace))
         if progress:
             progress(f"building trtllm_comm for {arch_list} with FlashInfer's JIT (minutes) ...")
         start = time.monotonic()
         # A process group of its own, ended whole on a signal (jitbuild.end_group) or when
         # sm120patch is killed outright: a killed interpreter alone would leave FlashInfer's
         # ninja and nvcc running.
-        proc = start_build(python, script, [], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_build(python, script, [], env, user.popen_args(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
         try:
             stdout, stderr = proc.communicate()
         except BaseException:

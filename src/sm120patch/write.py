@@ -158,9 +158,16 @@ def install_changes(tree: InstalledTree, plan: Plan, operation: str) -> list[Cha
             # With the ledger, every original it kept goes (a reinstall put the release's bytes back
             # without sm120patch: nothing to restore, but the state is still there).
             removed = {c.path for c in changes}
-            changes += [Change("remove", path, root, label=f"original {path.relative_to(state.root / 'originals')}")
+            changes += [Change("remove", path, root, label=_state_label(path, state.root))
                         for path in state.files() if path != state.ledger_path and path not in removed]
     return changes
+
+
+def _state_label(path: Path, root: Path) -> str:
+    """What a file of an install's state is, for messages: a saved original, or (a file that
+    should not be there, which the owner of the environment can put there) a state file."""
+    originals = root / "originals"
+    return f"original {path.relative_to(originals)}" if path.is_relative_to(originals) else f"state file {path.name}"
 
 
 def move_aside(version: str, base: Path, module: str, sources: list[Path], *, sources_change: bool,

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from sm120patch import runas
 from sm120patch.bench.preflight import BenchRequest, ranks_on_one_gpu
 from sm120patch.bench.report import BenchReport, Case
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, TargetError, UsageError
@@ -98,8 +99,10 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
 
+    user = runas.environment_owner(request.python)  # as root on another user's environment: as that user
     with tempfile.TemporaryDirectory(prefix="sm120patch-bench-") as tmp:
         workdir = Path(tmp)
+        user.give(workdir)
         read_fd, write_fd = os.pipe()
         # The parent's answers to rank 0's "refine" events: the read end is rank 0's.
         ask_read, ask_write = os.pipe() if ask is not None else (-1, -1)
@@ -107,7 +110,7 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
         procs = []
         try:
             for rank in range(world_size):
-                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                env = dict(user.environ(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                            SM120PATCH_BENCH_CONFIG=json.dumps(config), SM120PATCH_BENCH_DIR=str(workdir),
                            PYTHONUNBUFFERED="1")
@@ -117,11 +120,11 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
                     env["SM120PATCH_BENCH_FD"] = str(write_fd)
                     if ask_read >= 0:
                         env["SM120PATCH_BENCH_ASK_FD"] = str(ask_read)
-                log = open(workdir / f"rank-{rank}.log", "wb")
+                log = open(workdir / f"rank-{rank}.log", "xb")  # O_EXCL: never through a link planted there
                 procs.append(subprocess.Popen([str(request.python), "-c", source], env=env, cwd="/",
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                               pass_fds=tuple(fd for fd in (write_fd, ask_read) if fd >= 0)
-                                              if rank == 0 else ()))
+                                              if rank == 0 else (), **user.popen_args()))
                 log.close()
             os.close(write_fd)
             write_fd = -1

@@ -7,6 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from sm120patch import runas
 from sm120patch.distributions import load_registry
 from sm120patch.errors import TargetError
 
@@ -59,7 +60,9 @@ class TargetInfo:
 def probe_target(python: Path, kernels: str) -> TargetInfo:
     """``kernels``: the distribution whose fused allreduce bench runs, as the patch data names it."""
     try:
-        proc = subprocess.run([str(python), "-c", _PROBE, kernels], capture_output=True, text=True, cwd="/", timeout=120)
+        user = runas.environment_owner(python)  # as root on another user's environment: as that user
+        proc = subprocess.run([str(python), "-c", _PROBE, kernels], capture_output=True, text=True, cwd="/", timeout=120,
+                              env=user.environ(), **user.popen_args())
     except subprocess.TimeoutExpired:
         raise TargetError(f"--python {python}: importing torch took over 120 s") from None
     try:
