@@ -81,9 +81,12 @@ def load(path: str) -> tuple[dict | None, str]:
     """The server's reader (``_sm120patch_load``: (document, '') or (None, why)), where a file
     nested too deeply for json to parse is one more reason, not a RecursionError."""
     try:
-        return runtime._sm120patch_load(path)
+        document, why = runtime._sm120patch_load(path)
     except RecursionError:
-        return None, f"cannot read {path} (nested too deeply to be a profile)"
+        document, why = None, "(RecursionError)"
+    if document is None and why.endswith("(RecursionError)"):  # the server's reader names only the exception
+        why = f"cannot read {path} (nested too deeply to be a profile)"
+    return document, why
 
 
 def parse(data: bytes) -> tuple[object, str]:
