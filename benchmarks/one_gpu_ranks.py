@@ -193,8 +193,11 @@ def sglang_names(r: Rank) -> dict:
     coordinator = types.SimpleNamespace(world_size=r.world, rank_in_group=r.rank, device_group=world_group,
                                         cpu_group=world_group)
     parallel = types.SimpleNamespace(tp_size=r.world, tp_rank=r.rank, attn_tp_size=r.world, attn_tp_rank=r.rank,
-                                     moe_ep_size=1, moe_ep_rank=0, moe_tp_size=r.world, moe_tp_rank=r.rank)
+                                     moe_ep_size=1, moe_ep_rank=0, moe_tp_size=r.world, moe_tp_rank=r.rank, nnodes=1,
+                                     tp_group=coordinator, attn_tp_group=coordinator)
     major = torch.cuda.get_device_capability(0)[0]
+    platform = types.SimpleNamespace(is_sm90=major == 9, is_sm100=major == 10, is_sm120=major == 12)
+    resources = types.SimpleNamespace(buffers={})
     return {
         "is_flashinfer_available": lambda: True,
         "get_tensor_model_parallel_world_size": lambda: r.world,
@@ -213,8 +216,12 @@ def sglang_names(r: Rank) -> dict:
         # Not parallel state: the server's flags as `--enable-flashinfer-allreduce-fusion` leaves
         # the backend (auto) on one node, and SGLang's capability helpers as this GPU answers.
         "get_global_server_args": lambda: types.SimpleNamespace(flashinfer_allreduce_fusion_backend="auto", nnodes=1),
+        "get_exec": lambda: types.SimpleNamespace(comm=types.SimpleNamespace(flashinfer_allreduce_fusion_backend="auto")),
         "is_sm90_supported": lambda device=None: major == 9,
         "is_sm100_supported": lambda device=None: major == 10,
+        # 0.5.21+: the platform as this GPU answers, and the process's buffers (the workspace managers).
+        "get_platform": lambda: platform,
+        "get_resources": lambda: resources,
     }
 
 
@@ -296,6 +303,9 @@ def sglang_tuned(r: Rank, suite: str, path: str) -> None:
         "sglang.srt.server_args": {"get_global_server_args": lambda: server_args},
         "sglang.srt.runtime_context": {"get_parallel": names["get_parallel"],
                                        "get_exec": lambda: types.SimpleNamespace(comm=server_args)},
+        # 0.5.21+'s fused call asks which group reduces after the experts (dense layers here: the TP group).
+        "sglang.srt.layers.moe.utils": {"can_merge_post_experts_all_reduce": lambda: False,
+                                        "post_experts_reduction_group": names["get_tp_group"]},
     }
     for dotted, attributes in served.items():
         for depth in range(1, dotted.count(".") + 1):
@@ -316,7 +326,7 @@ def sglang_tuned(r: Rank, suite: str, path: str) -> None:
         finally:
             torch.cuda.get_device_capability = real_capability
     module = sd.load_plain_functions(str(directory / "fusion.py"), f"sglang_fusion_{suite.replace('.', '_')}", logged,
-                                     sglang_names(r), whole=True)
+                                     dict(names, get_exec=lambda: types.SimpleNamespace(comm=server_args)), whole=True)
     handed: list = []
 
     class Recorder:  # FlashInfer's comm package, recording the one-shot choice the kernel is handed
@@ -326,9 +336,13 @@ def sglang_tuned(r: Rank, suite: str, path: str) -> None:
         def __getattr__(self, name):
             return getattr(self.comm, name)
 
-        def trtllm_allreduce_fusion(self, **kwargs):
+        def trtllm_allreduce_fusion(self, **kwargs):  # the legacy call (SGLang <= 0.5.9)
             handed.append(kwargs["use_oneshot"])
             return self.comm.trtllm_allreduce_fusion(**kwargs)
+
+        def allreduce_fusion(self, **kwargs):  # the unified call (SGLang 0.5.10+)
+            handed.append(kwargs.get("use_oneshot"))
+            return self.comm.allreduce_fusion(**kwargs)
 
     module._flashinfer_comm = Recorder(module._flashinfer_comm)
     for profile, where in tuned_profiles(r, predicate).items():
