@@ -392,4 +392,4 @@ def test_a_profile_nested_past_the_parsers_depth_is_a_reason(tmp_path):
     tmp_path.chmod(0o755)
     path.write_text("[" * 100000 + "]" * 100000)
     document, why = rt._sm120patch_load(str(path))
-    assert document is None and why == f"cannot read {path} (RecursionError)"
+    assert document is None and why == f"cannot read {path} (nested too deeply to be a profile)"

@@ -199,7 +199,9 @@ def _sm120patch_load(path):
             chunks.append(chunk)
             left -= len(chunk)
         return json.loads(b"".join(chunks).decode("utf-8")), ""
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
+    except RecursionError:  # JSON nested past the parser's depth
+        return None, "cannot read %s (nested too deeply to be a profile)" % path
+    except (OSError, ValueError) as exc:
         return None, "cannot read %s (%s)" % (path, exc.__class__.__name__)
     finally:
         os.close(fd)
