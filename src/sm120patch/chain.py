@@ -438,6 +438,14 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
     untuned = distribution.tp_untuned or distribution.tp_advice
     usable = profile is not None and profile.usable
     proof = f"; `{commands.verify_tuned}` runs the server's decisions under it" if commands.verify_tuned else ""
+    if applied and TUNED in server.former_ids:
+        # Today's form is checked in the target interpreter by apply before it commits; an earlier
+        # sm120patch's form never was (SGLang 0.5.21+'s first one raised at every call): by the
+        # release data (the hashes name the form), without running the server.
+        return Step("tp", StepResult.WARN, f"tuned-limits is applied in an earlier sm120patch's form, whose decision code "
+                    f"was never run on {server.name} {server.raw_version} (one such form raised at every call)"
+                    + (f"; `{commands.verify_tuned}` runs it" if commands.verify_tuned else ""),
+                    fix=commands.apply_tuned, summary="tuned-limits in an earlier, unchecked form")
     if applied and usable:
         where = f"tuned on this box ({profile.path}, {profile.entries[0].created}): " + "; ".join(e.words() for e in profile.entries)
         never = [e for e in profile.entries if e.fused_max_bytes == 0 and e.verdict]

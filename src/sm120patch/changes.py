@@ -156,7 +156,24 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         except Sm120PatchError:  # the change stands and is reported; only the advice is missing
             after = None
         report.chains = [t.chain for t in after.trees if t.chain is not None] if after else []
+    if TUNED in request.with_ids:
+        report.tuned_brought = _brought(located)
     return report
+
+
+def _brought(located: Located) -> list[tuple[str, str, str]]:
+    """What `--with tuned-limits` applied besides itself, per server (the patches it requires, from
+    the patch data): (server, patch id, its summary)."""
+    brought = []
+    for tree in located.trees:
+        patch_set = tree.distribution.find(tree.version) if tree.version is not None else None
+        if patch_set is None or not any(p.id == TUNED for p in patch_set.patches):
+            continue
+        for required in patch_set.patch(TUNED).requires:
+            patch = patch_set.patch(required)
+            if not patch.required:
+                brought.append((f"{tree.distribution.name} {tree.raw_version}", patch.id, patch.summary))
+    return brought
 
 
 def build(request: Request, registry: Registry | None = None) -> ChangeReport:
