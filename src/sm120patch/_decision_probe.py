@@ -1,7 +1,7 @@
 # Runs inside the target interpreter for `sm120patch verify --tuned` (and after `apply --with
 # tuned-limits`). argv[1]: JSON
 #   {"predicate": {"module", "function", "cap"}, "oneshot": {"module", "expression"} or null,
-#    "options": {name: answer}, "device_flags": {name: value}, "cases": [{"tp", "hidden", "dtype", "sizes"}]}
+#    "server_args": {field: value}, "device_flags": {name: value}, "cases": [{"tp", "hidden", "dtype", "sizes"}]}
 # Imports the server's patched modules as the server does (importlib, the installed files), then
 # asks the server's own decision code, at each TP size and batch size, what it does: the fusion
 # predicate the patch data rewrites (fused or not) and the one-shot argument its fused call hands
@@ -12,13 +12,15 @@
 # torch's device capability (12.0, what the inserted code asks at the first forward), the
 # module-level device flags the server computed from torch at import ("device_flags", as an SM120
 # GPU sets them), and the tensor-parallel group of a TP-N server (this one process is its rank 0:
-# the group's world size, through the release's own parallel state). The options a server is
-# started with ("options": fusion requested, no DP attention) are answered as given: the check is
-# about the limits, status's `requested` step is about the options. Nothing sm120patch inserted,
-# nor anything it calls, is replaced.
+# the group's world size, through the release's own parallel state). The server's state is set by
+# the release's own setters, as a TP-N server started with "server_args" (fusion requested, no DP
+# attention) has it by its first forward: its ServerArgs, published; the served model's hidden
+# size. The check is about the limits; status's `requested` step is about the options. Nothing
+# sm120patch inserted, nor anything it calls, is replaced.
 import importlib
 import json
 import logging
+import os
 import sys
 import traceback
 import types
@@ -52,12 +54,27 @@ class Said(logging.Handler):
             self.lines.append(message)
 
 
-def answer(value):
-    """A function of any arguments returning ``value``; a table becomes a namespace (get_exec().comm...)."""
-    def namespace(v):
-        return types.SimpleNamespace(**{k: namespace(x) for k, x in v.items()}) if isinstance(v, dict) else v
-    found = namespace(value)
-    return lambda *args, **kwargs: found
+def server_args(given):
+    """The server's own ServerArgs, as parsed from a command line that gives ``given`` (only the
+    fields this release has), every other field at the release's default. A dataclass release
+    (up to 0.5.20) is built without its __post_init__, which asks for the GPU and reads the model."""
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    if dataclasses.is_dataclass(ServerArgs):
+        fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+        args = ServerArgs.__new__(ServerArgs)
+        for name, field in fields.items():
+            value = (field.default if field.default is not dataclasses.MISSING else
+                     field.default_factory() if field.default_factory is not dataclasses.MISSING else None)
+            object.__setattr__(args, name, value)
+        for name, value in given.items():
+            if name in fields:
+                object.__setattr__(args, name, value)
+        return args
+    names = set(getattr(ServerArgs, "__struct_fields__", ()))  # msgspec (0.5.21+): building it checks nothing
+    return ServerArgs(**{name: value for name, value in given.items() if name in names})
 
 
 class StandinGroup:
@@ -71,24 +88,30 @@ class StandinGroup:
         self.ranks = list(range(world_size))
 
 
-def set_tp(tp):
-    """The release's parallel state, as a TP-``tp`` server's rank 0 has it after start-up."""
-    done = []
+def start_server(tp, hidden, dtype, given):
+    """What a TP-``tp`` SGLang server's rank 0 has set by its first forward, set by the release's own
+    setters: its arguments (published), its tensor-parallel group (the stand-in, through the
+    release's parallel state), and the served model's hidden size (the DP-gather metadata)."""
+    import importlib
+
+    import torch
+
+    args = server_args(dict(given, tp_size=tp))
     try:
-        from sglang.srt.distributed import parallel_state
-    except Exception:  # noqa: BLE001 - not SGLang
-        parallel_state = None
-    if parallel_state is not None and hasattr(parallel_state, "_TP"):
+        context = importlib.import_module("sglang.srt.runtime_context")
+    except ImportError:  # up to 0.5.20: no runtime context, the arguments are a module global
+        context = None
+        importlib.import_module("sglang.srt.server_args").set_global_server_args_for_scheduler(args)
+    if context is not None:
+        # The arguments as published (0.5.21+'s global setter also resolves them, which asks for the GPU).
+        context.get_context().set_server_args(args)  # publishes get_exec(), get_parallel().tp_size ...
+        context.get_flags().dp.buffer_hidden_size = hidden
+    else:
+        dp = importlib.import_module("sglang.srt.layers.dp_attention")
+        dp._DpGatheredBufferWrapper.set_metadata(hidden, dtype, torch.device("cuda", 0))
+    parallel_state = importlib.import_module("sglang.srt.distributed.parallel_state")
+    if context is None:
         parallel_state._TP = StandinGroup(tp)
-        done.append("_TP")
-    try:
-        from sglang.srt.runtime_context import get_parallel
-    except Exception:  # noqa: BLE001 - SGLang < 0.5.21 has no runtime context
-        get_parallel = None
-    if get_parallel is not None:
-        get_parallel().override_permanently(tp_size=tp)
-        done.append("tp_size")
-    return done
 
 
 try:
@@ -142,9 +165,6 @@ if predicate is None or getattr(predicate, "__code__", None) is None or predicat
     print(json.dumps({"skipped": "%s.%s is not a predicate of the batch size (this check drives those, SGLang 0.5.8+)"
                       % (spec["module"], spec["function"]), "device": out["device"]}))
     sys.exit(0)
-for name, value in request.get("options", {}).items():
-    if name in predicate_module.__dict__:
-        predicate_module.__dict__[name] = answer(value)
 if standin:
     for name, value in request.get("device_flags", {}).items():
         if name in predicate_module.__dict__:
@@ -155,16 +175,19 @@ if isinstance(cap, int):  # the release's own cap, at its boundary too
         case["sizes"] = sorted(set(case["sizes"]) | {cap - 1, cap, cap + 1})
 
 oneshot = request.get("oneshot")
-for case in request["cases"]:
+
+
+def ask(case):
+    """One server process's decisions: the inserted code decides once per process, so each TP size
+    is asked in a process of its own (forked here, after the imports)."""
     tp, sizes = case["tp"], case["sizes"]
     row = {"tp": tp, "fused": {}, "oneshot": {}}
-    del said.lines[:]
+    dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float16
     try:
-        set_tp(tp)
+        start_server(tp, case["hidden"], dtype, request.get("server_args", {}))
     except Exception as exc:  # noqa: BLE001
-        row["error"] = fail("setting the TP%d group" % tp, exc)
-        out["cases"].append(row)
-        continue
+        row["skipped"] = fail("setting up a TP%d server's state" % tp, exc)
+        return row
     for size in sizes:
         try:
             row["fused"][str(size)] = bool(predicate(size))
@@ -175,7 +198,6 @@ for case in request["cases"]:
             continue
         # The fused call's arguments as SGLang's layer hands them: a [tokens, hidden] tensor (on the
         # meta device: its size is all the expression reads), use_oneshot=None, the TP size.
-        dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float16
         names = {"input_tensor": torch.empty(size, case["hidden"], dtype=dtype, device="meta"),
                  "use_oneshot": None, "world_size": tp}
         try:
@@ -185,6 +207,28 @@ for case in request["cases"]:
             break
         row["oneshot"][str(size)] = value
     row["log"] = list(said.lines)
-    out["cases"].append(row)
+    return row
+
+
+for case in request["cases"]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server process of this TP size
+        os.close(read)
+        try:
+            found = ask(case)
+        except BaseException as exc:  # noqa: BLE001
+            found = {"tp": case["tp"], "error": fail("the probe", exc)}
+        with os.fdopen(write, "w") as pipe:
+            pipe.write(json.dumps(found))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    try:
+        out["cases"].append(json.loads(text))
+    except ValueError:
+        out["cases"].append({"tp": case["tp"], "error": "the probe's process for TP%d ended without an answer" % case["tp"]})
 
 print(json.dumps(out))

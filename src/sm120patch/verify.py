@@ -338,7 +338,7 @@ def tuned_request(distribution, patch_set, cases: list[dict]) -> dict | None:
             oneshot = {"module": _module_of(patch.file), "expression": new}
     spec = distribution.verify
     return {"predicate": {"module": _module_of(tuned.file), "function": function, "cap": spec.tuned_cap},
-            "oneshot": oneshot, "options": dict(spec.tuned_options), "device_flags": dict(spec.tuned_device_flags),
+            "oneshot": oneshot, "server_args": dict(spec.tuned_server_args), "device_flags": dict(spec.tuned_device_flags),
             "cases": cases}
 
 
@@ -435,6 +435,9 @@ def tuned_checks_for(python: Path, server: str, distribution, patch_set, profile
         if "error" in row:
             results.append(CheckResult("tuned", subject, False, row["error"] + "; a server with this patch fails the "
                                        "same way at its first forward", broken=True))
+            continue
+        if "skipped" in row:
+            results.append(CheckResult("tuned", subject, None, f"not run: {row['skipped']}"))
             continue
         in_force = any(f"in force at TP{tp}:" in line for line in row["log"])
         expected_entry = entries.get(tp)

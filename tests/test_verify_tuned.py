@@ -1,0 +1,141 @@
+"""`verify --tuned` and `apply --with tuned-limits`'s check after writing, on the real releases: the
+server's own fusion predicate and fused-call argument, imported in the serving interpreter as the
+server imports them (SGLang's modules with their dependencies installed; torch CPU, so the probe's
+stand-in SM120 device answers for the GPU), asked at a profile's boundaries. Nothing sm120patch
+inserts, nor anything it calls, is replaced anywhere here.
+
+SGLang 0.5.9 with FlashInfer 0.6.4 (the field report's pair) follows a profile whose limits are not
+whole tokens; SGLang 0.5.21 with the FlashInfer it pins (0.6.18): the inserted TP-size reader
+imports a name its sglang.srt.distributed no longer exports, so every call of the patched
+predicate raises, and `apply --with tuned-limits` rolls back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ServingEnv, Session, make_venv, snapshot
+from sm120patch import _tuned_runtime as rt
+from sm120patch.wheels import fetch_wheel
+
+# What SGLang's predicate modules import (communicator.py in 0.5.9, layer_boundary/residual/add_norm.py
+# and flashinfer_comm_fusion.py in 0.5.21), found by importing them; torchvision's build pins torch.
+SERVER_REQUIREMENTS = [
+    "torch==2.14.1", "torchvision==0.29.1", "triton", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0.2,>=0.1.6", "ninja",
+    "packaging", "numpy", "tqdm", "requests", "einops", "tabulate", "click", "nvidia-ml-py", "filelock", "pybase64",
+    "ipython", "pydantic", "aiohttp", "orjson", "pyzmq", "pillow", "fastapi", "safetensors", "openai",
+    "partial-json-parser", "huggingface-hub", "transformers", "dill", "sentencepiece", "msgspec", "compressed-tensors",
+    "gguf", "psutil", "setproctitle", "uvloop",
+]
+HIDDEN = 4096
+
+
+@pytest.fixture(scope="module")
+def server_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
+    """SGLang 0.5.9 and FlashInfer 0.6.4 (the wheels, no dependencies) with what SGLang's fusion
+    modules import: several gigabytes, made once for this file and removed after it."""
+    root = tmp_path_factory.mktemp("server") / "venv"
+    make_venv(root, [flashinfer_wheel, sglang_wheel], linked=False)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "--quiet",
+                    "--disable-pip-version-check", *SERVER_REQUIREMENTS], check=True)
+    home = root.parent / "home"
+    home.mkdir()
+    yield ServingEnv(root, home)
+    shutil.rmtree(root.parent, ignore_errors=True)
+
+
+def write_profile(path, software: dict, tp: int, fused_tokens: float, oneshot_tokens: float) -> None:
+    """A profile for this machine (its box as the server reads it) whose limits are not whole tokens."""
+    entry = {"created": "2026-12-06T03:00:00Z", "software": software, "nccl_env": {}, "dtype": "bf16",
+             "hidden": HIDDEN, "fused_max_bytes": int(fused_tokens * HIDDEN * 2),
+             "oneshot_max_bytes": int(oneshot_tokens * HIDDEN * 2)}
+    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(),
+                                "entries": {str(tp): entry}}))
+
+
+def tuned_rows(result) -> dict[str, dict]:
+    return {c["subject"]: c for c in json.loads(result.output)["checks"] if c["kind"] == "tuned"}
+
+
+def test_verify_tuned_runs_sglang_059s_decisions_at_the_profiles_boundaries(server_env, tmp_path, monkeypatch):
+    session = Session(server_env)
+    before = snapshot(server_env)
+    applied = session("apply", "--with", "tuned-limits")
+    assert applied.exit_code == 0, applied.output
+    assert "tuned sglang 0.5.9 at TP" not in applied.output  # the check ran and passed: no line of its own
+    try:
+        profile = tmp_path / "tuned-limits.json"
+        monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(profile))
+        # No profile: the release's own limits, at 1..TP and its cap, and nothing raises.
+        untuned = session("verify", "--tuned", "--json")
+        assert untuned.exit_code == 0, untuned.output
+        rows = tuned_rows(untuned)
+        assert rows["sglang 0.5.9 device"]["detail"].startswith("stand-in SM120 GPU")
+        assert rows["sglang 0.5.9 at TP4"]["ok"] is True
+        assert rows["sglang 0.5.9 at TP4"]["detail"] == ("1-4, 2047-2048 tokens: fused (FlashInfer's one-shot rule); "
+                                                         "2049 tokens: not fused — no profile holds: the release's own limits")
+        # A profile: fused up to 64.5 tokens, one-shot up to 16.5 (at hidden 4096, bf16).
+        write_profile(profile, {"sglang": "0.5.9", "flashinfer-python": "0.6.4"}, 4, 64.5, 16.5)
+        tuned = session("verify", "--tuned")
+        assert tuned.exit_code == 0, tuned.output
+        assert ("PASS  tuned    sglang 0.5.9 at TP4: 1-4, 15-16 tokens: fused one-shot; 17, 63-64 tokens: fused two-shot; "
+                "65, 2047-2049 tokens: not fused — as the profile says") in tuned.output
+        assert "stand-in SM120 GPU (no SM120 GPU visible to torch here)" in tuned.output
+        # Tuned for another release of FlashInfer: the server's own reader refuses it, and verify says so.
+        write_profile(profile, {"sglang": "0.5.9", "flashinfer-python": "0.6.3"}, 4, 64.5, 16.5)
+        other = tuned_rows(session("verify", "--tuned", "--json"))
+        assert "at TP4" not in " ".join(other)  # sm120patch's view: no entry holds, so TP2/4/8 at the release's limits
+        assert all(row["ok"] for row in other.values())
+    finally:
+        reverted = session("revert")
+    assert reverted.exit_code == 0, reverted.output
+    assert snapshot(server_env) == before
+
+
+def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server_env, wheel_cache, tmp_path):
+    """SGLang 0.5.21 with FlashInfer 0.6.18 (the release it pins): the inserted TP-size reader raises
+    ImportError at every call of the predicate, with or without a profile."""
+    python = server_env.python
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", str(fetch_wheel("sglang", "0.5.21", wheel_cache)),
+                    str(fetch_wheel("flashinfer-python", "0.6.18", wheel_cache))], check=True)
+    session = Session(server_env)
+    before = snapshot(server_env)
+    applied = session("apply", "--with", "tuned-limits")
+    assert applied.exit_code == 3, applied.output
+    errors = [line for line in applied.output.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(errors) == 1 and "Traceback" not in applied.output
+    assert "refused: sglang 0.5.21 at TP2: apply_flashinfer_allreduce_fusion(1) at TP2 raises ImportError" in errors[0]
+    assert "in _sm120patch_sglang_tp_size" in errors[0] and errors[0].endswith("rolled back, the environment is as it was")
+    assert snapshot(server_env) == before  # byte-identical: every file, its mode, the file list
+    # The same code, applied without the check (plain apply, then tuned-limits by verify's eyes): apply
+    # without tuned-limits stands, and verify --tuned says there is nothing tuned to check.
+    plain = session("apply")
+    assert plain.exit_code == 0, plain.output
+    try:
+        result = session("verify", "--tuned")
+        assert "NOT RUN  tuned    tuned-limits: not run: no server here has tuned-limits applied" in result.output
+    finally:
+        assert session("revert").exit_code == 0
+    assert snapshot(server_env) == before
+
+
+def test_the_measuring_command_runs_as_printed_under_sudo(monkeypatch, tmp_path):
+    """The tp step's `bench --tune`: for one model (bench refuses --tune without one), and under sudo by
+    the full path of this sm120patch where the profile goes to the default, root-owned path (a pipx or
+    venv install is not on sudo's PATH); a profile named by SM120PATCH_TUNED_LIMITS needs no sudo."""
+    from types import SimpleNamespace
+
+    from sm120patch import pipeline
+
+    located = pipeline.Located(SimpleNamespace(executable=tmp_path / "my env" / "python", chosen_by=""))
+    monkeypatch.delenv("SM120PATCH_TUNED_LIMITS", raising=False)
+    monkeypatch.setattr(pipeline.os, "geteuid", lambda: 1000)
+    python = str(tmp_path / "my env" / "python")
+    assert pipeline.tune_command(located) == f"sudo \"$(command -v sm120patch)\" bench --tune --model PATH --python '{python}'"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(tmp_path / "mine.json"))
+    assert pipeline.tune_command(located) == f"sm120patch bench --tune --model PATH --python '{python}'"
