@@ -5,9 +5,10 @@ stand-in SM120 device answers for the GPU), asked at a profile's boundaries. Not
 inserts, nor anything it calls, is replaced anywhere here.
 
 SGLang 0.5.9 with FlashInfer 0.6.4 (the field report's pair) follows a profile whose limits are not
-whole tokens; SGLang 0.5.21 with the FlashInfer it pins (0.6.18): the inserted TP-size reader
-imports a name its sglang.srt.distributed no longer exports, so every call of the patched
-predicate raises, and `apply --with tuned-limits` rolls back."""
+whole tokens; SGLang 0.5.21 with the FlashInfer it pins (0.6.18), patched with the first form of
+tuned-limits sm120patch shipped for it (tests/data/first-tuned-form: its patch set and manifest as
+released): its TP-size reader imports a name 0.5.21's sglang.srt.distributed no longer exports, so
+every call of the patched predicate raises, and `apply --with tuned-limits` rolls back."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from helpers import ServingEnv, Session, make_venv, snapshot
 from sm120patch import _tuned_runtime as rt
+from sm120patch.data import data_dir
 from sm120patch.wheels import fetch_wheel
+
+FIRST_FORM = Path(__file__).parent / "data" / "first-tuned-form"
 
 # What SGLang's predicate modules import (communicator.py in 0.5.9, layer_boundary/residual/add_norm.py
 # and flashinfer_comm_fusion.py in 0.5.21), found by importing them; torchvision's build pins torch.
@@ -88,17 +93,25 @@ def test_verify_tuned_runs_sglang_059s_decisions_at_the_profiles_boundaries(serv
         # Tuned for another release of FlashInfer: the server's own reader refuses it, and verify says so.
         write_profile(profile, {"sglang": "0.5.9", "flashinfer-python": "0.6.3"}, 4, 64.5, 16.5)
         other = tuned_rows(session("verify", "--tuned", "--json"))
-        assert "at TP4" not in " ".join(other)  # sm120patch's view: no entry holds, so TP2/4/8 at the release's limits
-        assert all(row["ok"] for row in other.values())
+        assert all(row["ok"] for row in other.values())  # sm120patch's view: no entry holds, the release's limits
+        assert other["sglang 0.5.9 at TP4"]["detail"].endswith("no profile holds: the release's own limits")
     finally:
         reverted = session("revert")
     assert reverted.exit_code == 0, reverted.output
     assert snapshot(server_env) == before
 
 
-def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server_env, wheel_cache, tmp_path):
-    """SGLang 0.5.21 with FlashInfer 0.6.18 (the release it pins): the inserted TP-size reader raises
-    ImportError at every call of the predicate, with or without a profile."""
+def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server_env, wheel_cache, tmp_path,
+                                                                          monkeypatch):
+    """SGLang 0.5.21 with FlashInfer 0.6.18 (the release it pins), and the first tuned-limits form
+    sm120patch shipped for it: its TP-size reader raises ImportError at every call of the predicate,
+    with or without a profile."""
+    data = tmp_path / "data"
+    for name in ("patches", "vendor-manifests"):
+        shutil.copytree(data_dir(name), data / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.toml", data / "patches" / "sglang" / "0.5.21.toml")
+    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.json", data / "vendor-manifests" / "sglang" / "0.5.21.json")
+    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
     python = server_env.python
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
                     "--disable-pip-version-check", str(fetch_wheel("sglang", "0.5.21", wheel_cache)),

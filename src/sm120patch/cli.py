@@ -405,7 +405,8 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
                             (2, "bad input: an option, --python, a version selector, patch data; --build: what the "
                                 "build needs (torch, ninja, nvcc, an arch) is missing: nothing was changed"),
                             (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
-                                "nothing was changed"),
+                                "nothing was changed; --with tuned-limits: the server's patched decision code raised "
+                                "in the target interpreter (verify --tuned's check), every change rolled back"),
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
                             INTERRUPTED]))
 @selector_options
