@@ -332,7 +332,9 @@ def tuned_request(distribution, patch_set, cases: list[dict]) -> dict | None:
         return None
     oneshot = None
     for required in tuned.requires:
-        patch = patch_set.patch(required)
+        patch = next((p for p in patch_set.patches if p.id == required), None)
+        if patch is None:
+            continue
         new = next((e.params["new"] for e in patch.edits if e.rewriter == "python.replace-argument"), None)
         if new is not None:
             oneshot = {"module": _module_of(patch.file), "expression": new}
