@@ -6,13 +6,15 @@ inserts, nor anything it calls, is replaced anywhere here.
 
 SGLang 0.5.9 with FlashInfer 0.6.4 (the field report's pair) follows a profile whose limits are not
 whole tokens; SGLang 0.5.21 with the FlashInfer it pins (0.6.18), patched with the first form of
-tuned-limits sm120patch shipped for it (tests/data/first-tuned-form: its patch set and manifest as
-released): its TP-size reader imports a name 0.5.21's sglang.srt.distributed no longer exports, so
-every call of the patched predicate raises, and `apply --with tuned-limits` rolls back."""
+tuned-limits sm120patch shipped for it (tests/data/first-tuned-form: its runtime source, patch set
+and manifest as released): its TP-size reader imports a name 0.5.21's sglang.srt.distributed no
+longer exports, so every call of the patched predicate raises, and `apply --with tuned-limits`
+rolls back."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,7 +73,16 @@ def test_verify_tuned_runs_sglang_059s_decisions_at_the_profiles_boundaries(serv
     before = snapshot(server_env)
     applied = session("apply", "--with", "tuned-limits")
     assert applied.exit_code == 0, applied.output
-    assert "tuned sglang 0.5.9 at TP" not in applied.output  # the check ran and passed: no line of its own
+    # The check ran before the commit point and passed; the report says what else came, what was checked
+    # on which device, and that without a profile the release's B200 limits apply.
+    report = applied.output.splitlines()
+    assert any(line.startswith("sglang 0.5.9: tuned-limits also applied tuned-oneshot: on SM120 the fused call")
+               for line in report), applied.output
+    assert "decisions checked in the target interpreter on a stand-in SM120 GPU (no SM120 GPU visible to torch here)" in report
+    assert ("checked: sglang 0.5.9 at TP4: 1-4, 2047-2048 tokens: fused (FlashInfer's one-shot rule); 2049 tokens: not "
+            "fused — no profile holds: the release's own limits") in report
+    assert any(line.startswith("sglang 0.5.9: tuned-limits applied, but no profile holds here (no profile at ")
+               for line in report), applied.output
     try:
         profile = tmp_path / "tuned-limits.json"
         monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(profile))
@@ -101,39 +112,54 @@ def test_verify_tuned_runs_sglang_059s_decisions_at_the_profiles_boundaries(serv
     assert snapshot(server_env) == before
 
 
-def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server_env, wheel_cache, tmp_path,
-                                                                          monkeypatch):
+def first_form_sm120patch(tmp_path: Path) -> tuple[list[str], dict]:
+    """This sm120patch, inserting the first tuned-limits form it shipped for SGLang 0.5.21: that form's
+    runtime source (the insert-module-code rewriter reads sm120patch/_tuned_runtime.py), patch set and
+    manifest, byte for byte as released (the manifest pins the bytes the rewriters must produce). Its
+    TP-size reader imports a name 0.5.21's sglang.srt.distributed no longer exports."""
+    import sm120patch
+
+    root = tmp_path / "first-form"
+    shutil.copytree(Path(sm120patch.__file__).parent, root / "src" / "sm120patch",
+                    ignore=shutil.ignore_patterns("__pycache__", "_data"))
+    shutil.copyfile(FIRST_FORM / "_tuned_runtime.py", root / "src" / "sm120patch" / "_tuned_runtime.py")
+    for name in ("patches", "vendor-manifests"):
+        shutil.copytree(data_dir(name), root / "data" / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.toml", root / "data" / "patches" / "sglang" / "0.5.21.toml")
+    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.json", root / "data" / "vendor-manifests" / "sglang" / "0.5.21.json")
+    environ = dict(os.environ, PYTHONPATH=str(root / "src"), SM120PATCH_DATA_DIR=str(root / "data"))
+    return [sys.executable, "-m", "sm120patch"], environ
+
+
+def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server_env, wheel_cache, tmp_path):
     """SGLang 0.5.21 with FlashInfer 0.6.18 (the release it pins), and the first tuned-limits form
     sm120patch shipped for it: its TP-size reader raises ImportError at every call of the predicate,
-    with or without a profile."""
-    data = tmp_path / "data"
-    for name in ("patches", "vendor-manifests"):
-        shutil.copytree(data_dir(name), data / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.toml", data / "patches" / "sglang" / "0.5.21.toml")
-    shutil.copyfile(FIRST_FORM / "sglang-0.5.21.json", data / "vendor-manifests" / "sglang" / "0.5.21.json")
-    monkeypatch.setenv("SM120PATCH_DATA_DIR", str(data))
+    with or without a profile; `apply --with tuned-limits` runs the predicate before its commit point
+    and rolls the whole apply back."""
     python = server_env.python
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
                     "--disable-pip-version-check", str(fetch_wheel("sglang", "0.5.21", wheel_cache)),
                     str(fetch_wheel("flashinfer-python", "0.6.18", wheel_cache))], check=True)
-    session = Session(server_env)
+    program, environ = first_form_sm120patch(tmp_path)
+    where = ["--python", str(python), "--jit-cache-base", str(server_env.home)]
     before = snapshot(server_env)
-    applied = session("apply", "--with", "tuned-limits")
-    assert applied.exit_code == 3, applied.output
-    errors = [line for line in applied.output.splitlines() if line.startswith("sm120patch: error:")]
-    assert len(errors) == 1 and "Traceback" not in applied.output
+    applied = subprocess.run([*program, "apply", *where, "--with", "tuned-limits"], capture_output=True, text=True,
+                             env=environ, timeout=900)
+    assert applied.returncode == 3, applied.stdout + applied.stderr
+    errors = [line for line in applied.stderr.splitlines() if line.startswith("sm120patch: error:")]
+    assert len(errors) == 1 and "Traceback" not in applied.stderr, applied.stderr
     assert "refused: sglang 0.5.21 at TP2: apply_flashinfer_allreduce_fusion(1) at TP2 raises ImportError" in errors[0]
     assert "in _sm120patch_sglang_tp_size" in errors[0] and errors[0].endswith("rolled back, the environment is as it was")
     assert snapshot(server_env) == before  # byte-identical: every file, its mode, the file list
-    # The same code, applied without the check (plain apply, then tuned-limits by verify's eyes): apply
-    # without tuned-limits stands, and verify --tuned says there is nothing tuned to check.
-    plain = session("apply")
-    assert plain.exit_code == 0, plain.output
+    # Without tuned-limits the same sm120patch applies, and verify --tuned says there is nothing tuned to check.
+    plain = subprocess.run([*program, "apply", *where], capture_output=True, text=True, env=environ, timeout=900)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
     try:
-        result = session("verify", "--tuned")
+        result = Session(server_env)("verify", "--tuned")
         assert "NOT RUN  tuned    tuned-limits: not run: no server here has tuned-limits applied" in result.output
     finally:
-        assert session("revert").exit_code == 0
+        reverted = subprocess.run([*program, "revert", *where], capture_output=True, text=True, env=environ, timeout=900)
+        assert reverted.returncode == 0, reverted.stdout + reverted.stderr
     assert snapshot(server_env) == before
 
 
