@@ -23,7 +23,10 @@ The steps, in the order a start-up meets them (their ids are also the ``step`` o
 ``jit``           the JIT entry: built, stale, shadowed by a prebuilt module, or built on first use
 ``tp``            which limits the server fuses by: tuned on this box (the profile `bench --tune`
                   wrote, read by the opt-in patch tuned-limits) or the release's own
-                  (``[fusion_chain] untuned``): advice, never a block
+                  (``[fusion_chain] untuned``): advice, never a block; ``warn`` where tuned-limits
+                  is applied and no profile holds (the release's B200 limits apply). "Tuned" is
+                  only what status can know without running the server: `verify --tuned` runs
+                  its decision code
 
 Each step is ``ok``, ``blocks`` or ``unknown``, with its reason and, where it blocks, the
 command that fixes it. The headline is one sentence; it never says "will fuse" while any step
@@ -56,6 +59,7 @@ class StepResult(enum.Enum):
     OK = "ok"
     BLOCKS = "blocks"
     UNKNOWN = "unknown"
+    WARN = "warn"  # it fuses, but not as the user asked for (tuned-limits applied, no profile holds)
 
 
 class Step(NamedTuple):
@@ -65,6 +69,7 @@ class Step(NamedTuple):
     fix: str = ""  # a command, as it can be copied; "" when there is nothing to do (on an ok step: optional)
     condition: str = ""  # an ok that holds only when the server is started so: "--enable-…"
     note: str = ""  # an ok with something to know: the first start compiles, the TP advice
+    summary: str = ""  # the few words the headline says of this step ("" for none)
 
 
 class Commands(NamedTuple):
@@ -78,6 +83,7 @@ class Commands(NamedTuple):
     diff: str
     tune: str = ""  # bench --tune: measures where fusion wins on these GPUs and writes the profile
     apply_tuned: str = ""  # apply --with tuned-limits: the server keeps to the profile
+    verify_tuned: str = ""  # verify --tuned: runs the server's decision code under the profile
 
 
 class Chain(NamedTuple):
@@ -141,6 +147,9 @@ class Chain(NamedTuple):
         kernel, jit = self.step("kernel-gates"), self.step("jit")
         # A hand fix that builds and runs the fused kernel: it fuses, and what is missing is said.
         sentence += "".join(f"; {s.note}" for s in (kernel, jit) if s.note)
+        tp = self.step("tp")
+        if tp.summary:  # tuned-limits applied: by which limits it fuses
+            sentence += f"; {tp.summary}"
         if unread:
             sentence += (f" — this machine's GPUs: `{device.fix}`" if device.fix
                          else f" — this machine's GPUs are not known: {device.text}")
@@ -421,11 +430,22 @@ def _jit(kernels: Assessment | None, jit: JitStatus | None, aot: Sequence[AotSha
 def _tp(distribution: Distribution, server: Assessment, commands: Commands, profile: Profile | None) -> Step:
     """Which limits the server fuses by: tuned on this box (the profile, read by the opt-in patch
     tuned-limits) or the release's own, tuned for NVLink; advice, never a block. ``note`` holds
-    what to run next, as it can be copied."""
+    what to run next, as it can be copied. "Tuned" says only what can be known without running
+    the server (the profile holds for this box, these releases, as sm120patch reads them); the
+    server's own decisions are `verify --tuned`'s, which the text names."""
     applied = TUNED in (server.applied_ids or frozenset())
     offered = server.patch_set is not None and any(p.id == TUNED for p in server.patch_set.patches)
     untuned = distribution.tp_untuned or distribution.tp_advice
     usable = profile is not None and profile.usable
+    proof = f"; `{commands.verify_tuned}` runs the server's decisions under it" if commands.verify_tuned else ""
+    if applied and TUNED in server.former_ids:
+        # Today's form is checked in the target interpreter by apply before it commits; an earlier
+        # sm120patch's form never was (SGLang 0.5.21+'s first one raised at every call): by the
+        # release data (the hashes name the form), without running the server.
+        return Step("tp", StepResult.WARN, f"tuned-limits is applied in an earlier sm120patch's form, whose decision code "
+                    f"was never run on {server.name} {server.raw_version} (one such form raised at every call)"
+                    + (f"; `{commands.verify_tuned}` runs it" if commands.verify_tuned else ""),
+                    fix=commands.apply_tuned, summary="tuned-limits in an earlier, unchecked form")
     if applied and usable:
         where = f"tuned on this box ({profile.path}, {profile.entries[0].created}): " + "; ".join(e.words() for e in profile.entries)
         never = [e for e in profile.entries if e.fused_max_bytes == 0 and e.verdict]
@@ -438,13 +458,18 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
                                for e in profile.entries})
             text += (" (the server also checks its own NCCL settings, which status cannot see, against the "
                      f"profile's: {'; '.join(settings)})")
-        return Step("tp", StepResult.OK, text)
+        tps = "/".join(f"TP{e.tp}" for e in profile.entries)
+        return Step("tp", StepResult.OK, text + proof,
+                    summary=f"tuned limits at {tps} (the profile holds for this box as sm120patch reads it)")
     why = (profile.problem or "; ".join(profile.others) or "no TP size") if profile is not None else "not read"
     if applied:
-        return Step("tp", StepResult.OK, f"tuned-limits applied, but no profile holds here ({why}): the server keeps "
-                    f"the release's own limits ({untuned})", fix=commands.tune,
-                    note=f"`{commands.tune}` (measures where fusion wins on these GPUs; the server reads the profile "
-                         "at its next start)" if commands.tune else "")
+        note = ""
+        if commands.tune:
+            note = (f"`{commands.tune}` (measures where fusion wins on these GPUs for the model at PATH, its config.json "
+                    "or directory; the server reads the profile at its next start)")
+        return Step("tp", StepResult.WARN, f"tuned-limits applied, but no profile holds here ({why}): the release's own "
+                    f"limits apply, tuned on NVLink B200s ({untuned})", fix=commands.tune, note=note,
+                    summary="tuned-limits applied but no profile holds: the release's B200 limits apply")
     if usable and offered:
         return Step("tp", StepResult.OK, f"untuned: a profile holds for this box ({'; '.join(e.words() for e in profile.entries)}), "
                     f"but {server.name} {server.raw_version} reads it only with tuned-limits applied ({untuned})",

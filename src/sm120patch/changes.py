@@ -7,12 +7,14 @@ from __future__ import annotations
 import difflib
 import os
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Sequence
 
-from sm120patch import dirfd, driver, jitbuild, jitcache, signals
+from sm120patch import dirfd, driver, jitbuild, jitcache, signals, tunedlimits
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
-from sm120patch.errors import BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, UsageError
+from sm120patch.errors import (BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, TunedCodeError,
+                               UsageError)
 from sm120patch.fileops import prune
 from sm120patch.invocation import command
 from sm120patch.journal import journal_at, leftover_runs, read_journal
@@ -25,6 +27,8 @@ from sm120patch.transaction import recover
 from sm120patch.write import Worktree, WriteTarget, preview, write
 
 __all__ = ["apply", "build", "diff", "revert"]
+
+TUNED = tunedlimits.PATCH_ID
 
 
 def _nothing_installed(located: Located, registry: Registry, request: Request) -> UsageError:
@@ -151,7 +155,24 @@ def apply(request: Request, registry: Registry | None = None) -> ChangeReport:
         except Sm120PatchError:  # the change stands and is reported; only the advice is missing
             after = None
         report.chains = [t.chain for t in after.trees if t.chain is not None] if after else []
+    if TUNED in request.with_ids:
+        report.tuned_brought = _brought(located)
     return report
+
+
+def _brought(located: Located) -> list[tuple[str, str, str]]:
+    """What `--with tuned-limits` applied besides itself, per server (the patches it requires, from
+    the patch data): (server, patch id, its summary)."""
+    brought = []
+    for tree in located.trees:
+        patch_set = tree.distribution.find(tree.version) if tree.version is not None else None
+        if patch_set is None or not any(p.id == TUNED for p in patch_set.patches):
+            continue
+        for required in patch_set.patch(TUNED).requires:
+            patch = patch_set.patch(required)
+            if not patch.required:
+                brought.append((f"{tree.distribution.name} {tree.raw_version}", patch.id, patch.summary))
+    return brought
 
 
 def build(request: Request, registry: Registry | None = None) -> ChangeReport:
@@ -190,9 +211,38 @@ def _apply_and_build(located: Located, request: Request) -> str:
     return command("apply --build", *located.options, *((("--arch", request.arch),) if request.arch else ()))
 
 
-def _write_target(located: Located, request: Request) -> WriteTarget:
+def _write_target(located: Located, request: Request, report: ChangeReport | None = None,
+                  plans: Sequence[Plan] = ()) -> WriteTarget:
+    check = None
+    if report is not None and located.env is not None and TUNED in request.with_ids:
+        def check() -> None:
+            tuned_check(located, plans, report)
     return WriteTarget(located.installed, located.state_dirs, located.command("revert --force"),
-                       jit_base=request.jit_base, on_wait=request.on_wait)
+                       jit_base=request.jit_base, on_wait=request.on_wait, check=check)
+
+
+def tuned_check(located: Located, plans: Sequence[Plan], report: ChangeReport) -> None:
+    """`apply --with tuned-limits`, once the files are written and before the commit point: the
+    server's own decision code under the profile (verify --tuned), in the target interpreter. Code
+    that raises or does not import refuses the apply, and the transaction rolls it back; the
+    results land in the report (a check that could not run there says why, and the apply stands)."""
+    from sm120patch import verify
+
+    servers = [p for p in plans if p.assessment.patch_set is not None and p.assessment.tree in located.installed
+               and any(patch.id == TUNED for patch in p.assessment.patch_set.patches)]
+    if not servers:
+        return
+    profile = tunedlimits.read({t.distribution.name: t.raw_version for t in located.trees})
+    report.tuned_profile = profile
+    for plan in servers:
+        a = plan.assessment
+        found = verify.tuned_checks_for(Path(located.target), f"{a.name} {a.raw_version}", a.distribution,
+                                        a.patch_set, profile)
+        report.tuned += found
+        broken = next((r for r in found if r.broken), None)
+        if broken is not None:
+            raise TunedCodeError(f"refused: {broken.subject}: {broken.detail}; rolled back, the environment is as it was",
+                                 hint=f"`{located.command('apply')}` applies the rest without tuned-limits")
 
 
 def _build(located: Located, request: Request) -> list:
@@ -251,7 +301,8 @@ def _write_or_preview(report: ChangeReport, located: Located, request: Request, 
     """The plans written as one unit, or (a dry run) shown: the same target either way, so that a
     dry run refuses what the run would refuse."""
     report.aot = _aot(located)
-    (preview if request.dry_run else write)(report, _write_target(located, request), plans, operation=operation)
+    (preview if request.dry_run else write)(report, _write_target(located, request, report, plans), plans,
+                                            operation=operation)
 
 
 def _clean_leftovers(located: Located, request: Request, report: ChangeReport) -> None:

@@ -427,7 +427,8 @@ def status(python, source, jit_cache_base, brief, as_json, **selectors):
                             (2, "bad input: an option, --python, a version selector, patch data; --build: what the "
                                 "build needs (torch, ninja, nvcc, an arch) is missing: nothing was changed"),
                             (3, "refused: drift, no pinned patch set, a symlinked file, an interrupted run (dry run); "
-                                "nothing was changed"),
+                                "nothing was changed; --with tuned-limits: the server's patched decision code raised "
+                                "in the target interpreter (verify --tuned's check), every change rolled back"),
                             (4, "failed (I/O, read-only, permissions, a lock held); everything was rolled back"),
                             INTERRUPTED]))
 @selector_options
@@ -536,7 +537,8 @@ def diff(with_ids, python, source, force, **selectors):
 
 @cli.command(short_help="Prove the patched state: hashes, semantics, runtime, compile, build.",
              epilog=epilog(["sm120patch verify --python ~/ml-env/bin/python3",
-                            "sm120patch verify --python ~/ml-env/bin/python3 --runtime --compile"],
+                            "sm120patch verify --python ~/ml-env/bin/python3 --runtime --compile",
+                            "sm120patch verify --python ~/ml-env/bin/python3 --tuned"],
                            [(0, "every check ran and passed"),
                             (1, "a check failed, or a check you asked for could not run (it says what it needs)"),
                             USAGE, INTERRUPTED_READING]))
@@ -547,16 +549,20 @@ def diff(with_ids, python, source, force, **selectors):
               "sm_120a must contain griddepcontrol, sm_90a/sm_100a must equal the release's PTX (no GPU needed).")
 @click.option("--build", is_flag=True, help="FlashInfer's JIT build of trtllm_comm for sm_120a in a temporary workspace "
               "(minutes; without a CUDA driver it compiles but does not link).")
+@click.option("--tuned", is_flag=True, help="Where tuned-limits is applied: the server's own fusion decisions, imported "
+              "in the target interpreter as the server imports them, at the profile's limits (-1, 0, +1 token) and "
+              "1..TP tokens: fused or not, one-shot or two-shot (a stand-in SM120 device where none is visible).")
 @jit_option
 @json_option
-def verify(python, runtime, compile_, build, jit_cache_base, as_json):
+def verify(python, runtime, compile_, build, tuned, jit_cache_base, as_json):
     """Prove the patched state: manifest hashes and semantic checks always; with options, a
     runtime, a compile and a build check."""
     from sm120patch import pipeline, render, verify as checks
     from sm120patch.progress import line_progress
 
     report = checks.verify(pipeline.status(request_from(python=python, jit_cache_base=jit_cache_base)),
-                           runtime=runtime, compile_=compile_, build=build, progress=line_progress(quiet=as_json))
+                           runtime=runtime, compile_=compile_, build=build, tuned=tuned,
+                           progress=line_progress(quiet=as_json))
     return show(report, as_json, render.render_verify, render.verify_json)
 
 

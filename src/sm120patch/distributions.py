@@ -11,7 +11,8 @@ a :class:`Distribution`, never compares a distribution's name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -208,6 +209,12 @@ class VerifySpec(NamedTuple):
     compile_header: str | None = None  # the RECORD path `verify --compile` builds PTX from
     # Its include path, as the wheel names the directories (the header's own directory first).
     compile_includes: tuple[str, ...] = ()
+    # `verify --tuned` ([verify.tuned]): the server's arguments a start with fusion on gives (each
+    # release takes the fields it has); the module-level device flags as an SM120 GPU sets them at
+    # import (used under the stand-in device only); the module constant that caps the fused batch.
+    tuned_server_args: Mapping[str, Any] = MappingProxyType({})
+    tuned_device_flags: Mapping[str, Any] = MappingProxyType({})
+    tuned_cap: str | None = None
 
 
 class PatchSets:
@@ -550,10 +557,16 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     includes = raw_verify.get("compile_includes", [])
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise PatchDataError(f"{where}: 'compile_includes' must be a list of strings")
+    tuned = raw_verify.get("tuned", {})
+    if not isinstance(tuned, dict) or set(tuned) - {"server_args", "device_flags", "cap"} or not all(
+            isinstance(tuned.get(key, {}), dict) for key in ("server_args", "device_flags")):
+        raise PatchDataError(f"{where}: [verify.tuned] holds a server_args table, a device_flags table and cap")
     verify = VerifySpec(**{key: _optional_str(raw_verify, key, where)
                            for key in ("jit_spec", "arch_list", "expect_target", "compile_header")},
-                        compile_includes=tuple(includes))
-    unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header", "compile_includes"}
+                        compile_includes=tuple(includes), tuned_server_args=MappingProxyType(tuned.get("server_args", {})),
+                        tuned_device_flags=MappingProxyType(tuned.get("device_flags", {})),
+                        tuned_cap=_optional_str(tuned, "cap", where))
+    unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header", "compile_includes", "tuned"}
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
     fixed_in = _optional_str(doc, "fixed_in", where)

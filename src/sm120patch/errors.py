@@ -125,6 +125,11 @@ def _later(version: str, than: str) -> bool:
         return True
 
 
+class TunedCodeError(RefusedError):
+    """`apply --with tuned-limits`: the server's patched decision code raised (or did not import)
+    in the target interpreter; the transaction rolled the whole apply back."""
+
+
 class CheckFailedError(Sm120PatchError):
     """A check the user asked for ran and failed, or could not run."""
 

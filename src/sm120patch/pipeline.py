@@ -11,6 +11,7 @@ happens under the lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -270,7 +271,8 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
                               doctor=located.command("doctor"), bench=located.command("bench"),
                               status=located.command("status"), diff=command("diff", located.options[0]),
-                              tune=located.command("bench --tune"), apply_tuned=located.command("apply --with tuned-limits"))
+                              tune=tune_command(located), apply_tuned=located.command("apply --with tuned-limits"),
+                              verify_tuned=located.command("verify --tuned"))
     profile = None
     if any(t.distribution.fusion_paths for t in trees):
         versions = {t.assessment.name: t.assessment.raw_version for t in trees}
@@ -291,6 +293,17 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
                 profile=profile))
         judged.append(item)
     return judged
+
+
+def tune_command(located: Located) -> str:
+    """`bench --tune` for this target, as it runs when copied: it measures for one model (PATH: its
+    config.json or directory), and the default profile path (/etc/sm120patch) needs root, which
+    sudo gives only with the full path of this sm120patch (a pipx or venv install is not on
+    sudo's PATH). A profile named by SM120PATCH_TUNED_LIMITS is the caller's own: no sudo."""
+    words = located.command("bench --tune --model PATH")
+    if tunedlimits.location()[1] or os.geteuid() == 0:
+        return words
+    return 'sudo "$(command -v sm120patch)"' + words.removeprefix("sm120patch")
 
 
 def _fusion_with(located: Located, tree: Worktree):

@@ -498,10 +498,32 @@ def render_change(report: ChangeReport) -> str:
             lines.append(f"  note: {built.note}")
         if built.libcuda:
             lines.append(f"  note: {built.libcuda}")
+    lines += _tuned_lines(report)
     following = next_step(report.chains) if report.chains else ()
     if following and not report.dry_run:
         lines.extend(_next_lines(following))
     return "\n".join(lines) if report.dry_run else coloured(fit("\n".join(lines)))  # a diff is never wrapped
+
+
+def _tuned_lines(report: ChangeReport) -> list[str]:
+    """`apply --with tuned-limits`: what else it applied, the server's decisions as checked before
+    the commit (or why they could not be), and which limits the server keeps (the tp step)."""
+    lines = []
+    if report.dry_run or not (report.tuned_brought or report.tuned):
+        return lines
+    for server, patch_id, summary in report.tuned_brought:
+        lines += fill("", f"{server}: tuned-limits also applied {patch_id}: {summary}", "  ")
+    for r in report.tuned:
+        if r.required or r.ok is not True:
+            state = {True: "checked", False: "FAILED", None: "not checked"}[r.ok]
+            lines += fill("", f"{state}: {r.subject}: {r.detail}", "  ")
+        else:  # the device the decisions were asked on
+            lines += fill("", f"decisions checked in the target interpreter on a {r.detail}", "  ")
+    for chain in report.chains:
+        tp = chain.step("tp")
+        if tp.result is StepResult.WARN:
+            lines += fill("", f"{chain.server}: {tp.text}", "  ")
+    return lines
 
 
 def _result_lines(report: ChangeReport, result: Result, verb: str) -> list[str]:
@@ -575,6 +597,10 @@ def change_json(report: ChangeReport) -> dict:
             "operation": report.recovery.operation, "undone": list(report.recovery.restored),
             "finished": report.recovery.finished},
         "routed": [{"name": n, "checkout": str(p)} for n, p in report.routed],
+        # apply --with tuned-limits: what it also applied, and the server's decisions checked before the commit.
+        "tuned": {"also_applied": [{"server": s, "patch": i, "summary": t} for s, i, t in report.tuned_brought],
+                  "checks": [{"subject": r.subject, "ok": r.ok, "detail": r.detail} for r in report.tuned]}
+        if report.tuned_brought or report.tuned else None,
         "leftovers_removed": [str(p) for p in report.leftovers_removed],
         "orphans_removed": [{"state": str(o.state.root), "files": [str(f) for f in o.files]}
                             for o in report.orphans_removed],

@@ -118,6 +118,9 @@ class ChangeReport:
     builds: list = field(default_factory=list)  # jitbuild.BuildResult, apply --build
     chains: list = field(default_factory=list)  # each server's fusion chain once the run is over (apply)
     build_error: Sm120PatchError | None = None  # apply --build: the change was made, the build failed
+    tuned: list = field(default_factory=list)  # apply --with tuned-limits: verify's tuned checks, run before the commit
+    tuned_profile: object = None  # the profile those checks ran under (tunedlimits.Profile)
+    tuned_brought: list = field(default_factory=list)  # (server, patch id, summary) --with tuned-limits also applied
 
     @property
     def errors(self) -> list[Sm120PatchError]:

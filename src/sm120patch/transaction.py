@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from sm120patch import dirfd, fileops, signals
 from sm120patch.errors import TransactionError
@@ -97,6 +97,9 @@ class Transaction:
     run: str = field(default_factory=new_run)
     entries: list[dict] = field(default_factory=list)
     revert_command: str = REVERT_FORCE
+    # Run once every change is made and read back, before the commit point: whatever it raises
+    # rolls the whole run back (apply --with tuned-limits runs the server's decision code here).
+    check: Callable[[], None] | None = None
 
     @property
     def journal(self) -> Path:
@@ -206,6 +209,8 @@ class Transaction:
         try:
             self.apply()
             self.verify()
+            if self.check is not None:
+                self.check()
         except BaseException as exc:
             try:
                 restored = rollback(self.journal, revert_command=self.revert_command)

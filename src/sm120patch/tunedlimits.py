@@ -25,6 +25,7 @@ PATCH_ID = "tuned-limits"  # the opt-in patch of each server that reads the prof
 ENV = "SM120PATCH_TUNED_LIMITS"
 DEFAULT = runtime._SM120PATCH_PROFILE_DEFAULT
 ITEMSIZE = runtime._SM120PATCH_ITEMSIZE
+ONESHOT_RULE_MIB = runtime._SM120PATCH_ONESHOT_RULE_MIB  # FlashInfer's one-shot rule, MiB per TP size
 
 
 class Entry(NamedTuple):

@@ -50,6 +50,7 @@ class WriteTarget(NamedTuple):
     revert_command: str  # the command that rolls an interrupted run back, for this target
     jit_base: str | None = None  # --jit-cache-base
     on_wait: Callable[[str], None] | None = None  # told when a lock makes the run wait
+    check: Callable[[], None] | None = None  # run before the commit point; what it raises rolls the run back
 
 
 def write(report: ChangeReport, target: WriteTarget, plans: list[Plan], *, operation: str) -> None:
@@ -85,7 +86,7 @@ def write(report: ChangeReport, target: WriteTarget, plans: list[Plan], *, opera
             for lock in jit_locks:
                 locks.enter_context(lock())
             Transaction(operation, roots, owners, changes,
-                        revert_command=target.revert_command).run_all()
+                        revert_command=target.revert_command, check=target.check).run_all()
     except BaseException:
         for undo in writes.undo:
             undo()
