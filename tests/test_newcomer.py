@@ -71,3 +71,28 @@ def test_a_ctrl_c_after_apply_printed_its_report_never_reads_as_rolled_back(toy,
     answered = [m for m, (reached, _, stderr) in outcomes.items() if reached and stderr == COMMITTED]
     print(f"\nSIGINT at {len(moments)} moments after apply's report: {len(answered)} answered with the committed line")
     assert answered  # the signal was delivered and said, not only sent to a process already gone
+
+
+@pytest.mark.parametrize("command, syscall, code", [
+    ("status", "wait4", 130),  # while it waits for the target interpreter's answer
+    ("apply", "rename", 130),  # inside the transaction: rolled back
+    ("revert", "wait4", 130),
+    ("verify", "wait4", 130),
+])
+def test_an_interrupted_json_command_still_prints_its_document(toy, command, syscall, code):
+    """`--json` always prints a document on stdout: an interrupt's too, with the same keys as
+    every other (command, exit_code, target, next) and the one line the text gives, under
+    error. Before, an interrupted --json run printed nothing on stdout."""
+    import json
+
+    need(STRACE is not None, "strace is not installed (.ci/run installs it)")
+    if command == "revert":
+        subprocess.run(toy_argv(toy, "apply"), capture_output=True, check=True, timeout=120)
+    proc = subprocess.run([STRACE, "-o", "/dev/null", "-e", f"trace={syscall}", "-e",
+                           f"inject={syscall}:signal=INT:when=1", *toy_argv(toy, command, "--json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    document = json.loads(proc.stdout)
+    assert list(document)[:4] == ["command", "exit_code", "target", "next"] and document["command"] == command
+    assert document["exit_code"] == code and "interrupted (SIGINT)" in document["error"]["message"], document
+    assert proc.stderr.startswith("sm120patch: interrupted (SIGINT)"), proc.stderr

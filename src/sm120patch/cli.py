@@ -105,17 +105,9 @@ def handle(exc: BaseException) -> int:
         _stdout_closed()
         return 0
     if isinstance(exc, (KeyboardInterrupt, click.Abort, signals.Interrupted)):
-        signum = getattr(exc, "signum", int(signal.SIGINT))
-        committed = signals.STATE.committed
-        if committed:  # a signal after the write (during a build): the change it made stands
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}) after the {committed} was committed: that "
-                       "change stands (`sm120patch status` shows it); what came after it did not finish", err=True)
-        elif signals.STATE.reading:
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); this command changes nothing", err=True)
-        else:
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); any change in progress was rolled back",
-                       err=True)
-        return signals.exit_code(signum)
+        message, code = interrupted(exc)
+        click.echo(f"sm120patch: {message}", err=True)
+        return code
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
         where = f" ({exc.filename})" if exc.filename else ""
         click.echo(f"sm120patch: error: {exc.strerror or exc}{where}; nothing was changed", err=True)
@@ -125,6 +117,19 @@ def handle(exc: BaseException) -> int:
             click.echo(f"hint: {permission_hint(Path(str(exc.filename)))}", err=True)
         return int(ExitCode.FAILED)
     raise exc
+
+
+def interrupted(exc: BaseException) -> tuple[str, int]:
+    """What an interrupt says and the code the run exits with: 128 + the signal only where
+    nothing the run changed stands (the README: 130 means rolled back)."""
+    signum = getattr(exc, "signum", int(signal.SIGINT))
+    committed = signals.STATE.committed
+    if committed:  # a signal after the write (during a build): the change it made stands
+        return (f"interrupted ({signals.name(signum)}) after the {committed} was committed: that change stands "
+                "(`sm120patch status` shows it); what came after it did not finish", int(ExitCode.NOT_OK))
+    if signals.STATE.reading:
+        return f"interrupted ({signals.name(signum)}); this command changes nothing", signals.exit_code(signum)
+    return f"interrupted ({signals.name(signum)}); any change in progress was rolled back", signals.exit_code(signum)
 
 
 def _command_name(ctx: click.Context) -> str:
@@ -158,6 +163,15 @@ class Command(click.Command):
 
                 error = {"error": {"message": exc.message, "hint": exc.hint_line, "exit_code": int(exc.exit_code)}}
                 emit(json.dumps(json_document(_command_name(ctx), exc.exit_code, error), indent=2))
+            raise
+        except (KeyboardInterrupt, click.Abort, signals.Interrupted) as exc:
+            if ctx.params.get("as_json") and not _emitted:  # --json: a document, interrupted too
+                from sm120patch.render import json_document
+
+                message, code = interrupted(exc)
+                error = {"error": {"message": message, "hint": None, "exit_code": code}}
+                with signals.held():  # the document whole, even under a second Ctrl-C
+                    emit(json.dumps(json_document(_command_name(ctx), code, error), indent=2))
             raise
 
 
