@@ -316,7 +316,11 @@ class Session:
 NO_JIT_CACHE = ("diff",)  # commands that never look at FlashInfer's JIT cache
 
 
-def run_cli(*args: str):
+def run_cli(*args: str, short: bool = False):
+    """sm120patch in this process. `status` is read as --verbose prints it (the whole table the
+    tests were written against), unless ``short``: the default view is tests/test_newcomer.py's."""
+    if args and args[0] == "status" and not short and not {"--brief", "--json", "--verbose", "-v"} & set(args):
+        args = (*args, "--verbose")
     return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="sm120patch")
 
 

@@ -396,17 +396,25 @@ def cli(quiet) -> None:
 @jit_option
 @click.option("--brief", is_flag=True, help="Only the answer: one line per server, whether it will fuse and what "
               "stands in the way (on a terminal, wrapped to its width, a command never broken).")
+@click.option("--verbose", "-v", is_flag=True, help="The whole table: every patch and who made it, each server's "
+              "fusion chain step by step, the JIT cache entries, notes and pins (--json always has it all).")
 @json_option
-def status(python, source, jit_cache_base, brief, as_json, **selectors):
-    """Show each distribution's version, pinned patch set and the state of every patch (who made
-    it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
-    and an interrupted run. With --source: which patches a git checkout's HEAD has."""
+def status(python, source, jit_cache_base, brief, verbose, as_json, **selectors):
+    """Will each installed server fuse on SM120, and what stands in the way: the answer per
+    server, one line per distribution (its version, patched or not, what is missing or drifted,
+    warnings), and what to run next. --verbose: each distribution's pinned patch set and the
+    state of every patch (who made it: sm120patch, a hand edit), the fusion chain, stale or
+    foreign trtllm_comm JIT entries, AOT shadowing, pins, and an interrupted run. With --source:
+    which patches a git checkout's HEAD has."""
+    if brief and verbose:
+        raise click.UsageError("--brief and --verbose ask for opposite things; give one")
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
     if brief:
         return show(pipeline.status(request), as_json, render.render_brief, render.status_json, note=render.brief_note)
-    return show(pipeline.status(request), as_json, render.render_status, render.status_json)
+    text = render.render_status_verbose if verbose else render.render_status
+    return show(pipeline.status(request), as_json, text, render.status_json)
 
 
 @cli.command(short_help="Apply the patch set pinned to each installed release.",

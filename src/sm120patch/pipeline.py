@@ -226,6 +226,7 @@ def status(request: Request, registry: Registry | None = None, *, device=None,
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
                         chosen_by=located.chosen_by,
                         registry_names=registry.names, apply_command=located.command("apply"),
+                        verbose_command=located.command("status --verbose"),
                         orphans=[o for d in site_dirs for o in orphans(d)],
                         temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)])
 

@@ -58,6 +58,7 @@ class StatusReport(NamedTuple):
     chosen_by: str = ""  # no --python: why this interpreter is the target
     registry_names: tuple[str, ...] = ()
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
+    verbose_command: str = "sm120patch status --verbose"  # the whole table, for this same target
     orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
     temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
 
