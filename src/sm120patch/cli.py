@@ -461,7 +461,8 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
 @cli.command(short_help="Build trtllm_comm into the server's JIT cache, so its next start compiles nothing.",
              epilog=epilog(["sm120patch build --python ~/ml-env/bin/python3",
                             "sm120patch build --python /opt/venv/bin/python --arch 12.0a   # an image build, no GPU",
-                            "sudo sm120patch build --python ~svc/env/bin/python   # builds as svc, in svc's cache"],
+                            "sudo \"$(command -v sm120patch)\" build --python ~svc/env/bin/python   # builds as "
+                            "svc, in svc's cache"],
                            [(0, "built, and proven to be the entry FlashInfer loads at start"),
                             (1, "the build failed (its last lines are shown; no half-written entry is left)"),
                             (2, "bad input: an option, --python; what the build needs (torch, ninja, nvcc, an arch) "
@@ -590,7 +591,9 @@ def _world_size(value):
 @cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
              epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
                             "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168",
-                            "sudo sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tune --model ~/models/llama/config.json"],
+                            "sudo \"$(command -v sm120patch)\" bench --tune --tp 4 \\\n"
+                            "    --model ~/models/llama/config.json --python ~/sglang-env/bin/python3   # as root: it "
+                            "writes /etc/sm120patch/tuned-limits.json"],
                            [(0, "every shape matched the reference (and was timed); --tune: and the profile was written"),
                             (1, "a fused result differs from the reference, the kernel crashed or hung, or the "
                                 "workspace created as the installed server creates it was refused; --tune: or a pair "
@@ -616,7 +619,8 @@ def _world_size(value):
               help="Measure where fusion wins at this TP size (one-shot, two-shot, NCCL + norm, each checked, then "
                    "timed in repetitions) and write the limits into the profile the patched servers read.")
 @click.option("--model", metavar="PATH", default=None,
-              help="--tune: the model's config.json (its hidden_size and torch_dtype), instead of --hidden.")
+              help="--tune: the model's config.json, or its directory (its hidden_size and torch_dtype), instead "
+                   "of --hidden.")
 @click.option("--profile", "profile_path", metavar="PATH", default=None,
               help="--tune: where to write the profile. Default: $SM120PATCH_TUNED_LIMITS, else "
                    "/etc/sm120patch/tuned-limits.json (where the servers look).")

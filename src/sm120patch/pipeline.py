@@ -238,13 +238,14 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
         return trees
     assessed = [t.assessment for t in trees]
     by_name = {t.distribution.name: t for t in trees}
-    commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
-                              doctor=located.command("doctor"), bench=located.command("bench"),
-                              status=located.command("status"), diff=command("diff", located.options[0]),
-                              tune=located.command("bench --tune"), apply_tuned=located.command("apply --with tuned-limits"))
     profile = None
     if any(t.distribution.fusion_paths for t in trees):
         profile = tunedlimits.read({t.assessment.name: t.assessment.raw_version for t in trees})
+    commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
+                              doctor=located.command("doctor"), bench=located.command("bench"),
+                              status=located.command("status"), diff=command("diff", located.options[0]),
+                              tune=tunedlimits.tune_command(located.options, profile),
+                              apply_tuned=located.command("apply --with tuned-limits"))
     judged = []
     for item in trees:
         d = item.distribution
