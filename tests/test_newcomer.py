@@ -96,3 +96,43 @@ def test_an_interrupted_json_command_still_prints_its_document(toy, command, sys
     assert list(document)[:4] == ["command", "exit_code", "target", "next"] and document["command"] == command
     assert document["exit_code"] == code and "interrupted (SIGINT)" in document["error"]["message"], document
     assert proc.stderr.startswith("sm120patch: interrupted (SIGINT)"), proc.stderr
+
+
+def pass_config_fields(site: Path) -> dict[str, str]:
+    """PassConfig's fields and their annotations, read from the installed vLLM's own source."""
+    import ast
+
+    source = next(p for p in (site / "vllm" / "config" / "compilation.py", site / "vllm" / "config" / "pass_config.py")
+                  if p.is_file() and "class PassConfig" in p.read_text())
+    tree = ast.parse(source.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "PassConfig")
+    return {n.target.id: ast.unparse(n.annotation) for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+@pytest.mark.wheels  # fetches a real vLLM wheel itself (no wheel fixture marks it)
+@pytest.mark.parametrize("version", ["0.11.1"])
+def test_vllm_gets_one_compilation_config_with_the_size_for_this_box(tmp_path, version):
+    """vLLM's advice names one --compilation-config a user can paste: the key that turns the
+    pass on and the size key with its value, both fields of the release's own PassConfig (read
+    from its wheel), parsed as vLLM parses the option (JSON). Before, it named
+    pass_config.fi_allreduce_fusion_max_size_mb and the switch as two things, with no value."""
+    import json
+    import re
+    import shlex
+
+    from helpers import Session
+    from test_vllm import vllm_env
+
+    env = vllm_env(tmp_path, version)
+    output = Session(env)("status", "--verbose").output
+    configs = re.findall(r"`(--compilation-config '[^`]*')`", output)
+    assert configs, output
+    fields = pass_config_fields(env.site_packages)
+    for config in configs:
+        option, value = shlex.split(config)
+        passes = json.loads(value)["pass_config"]
+        assert set(passes) <= set(fields), (passes, fields)
+        switch, sizing = list(passes)
+        assert fields[switch] == "bool" and passes[switch] is True
+        assert "float" in fields[sizing] and passes[sizing] == 0.5

@@ -11,6 +11,7 @@ happens under the lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,6 +250,7 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     judged = []
     for item in trees:
         d = item.distribution
+        item = item._replace(compilation_config=_compilation_config(item, profile))
         if d.fusion_paths:
             kernels = by_name.get(d.fusion_with)
             item = item._replace(chain=chain.evaluate(
@@ -257,6 +259,22 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
                 profile=profile))
         judged.append(item)
     return judged
+
+
+def _compilation_config(item: TreeStatus, profile) -> str:
+    """vLLM's one --compilation-config for this box, with where its size comes from: the fused
+    limit `bench --tune` measured here (the smallest over the TP sizes the profile holds for:
+    vLLM takes one value for every TP size), else the data's untuned size."""
+    row = item.distribution.fusion_flag_row(item.tree.version)
+    if row is None or not row.sizing:
+        return ""
+    if profile is not None and profile.usable:
+        entry = min(profile.entries, key=lambda e: e.fused_max_bytes)
+        size = math.floor(entry.fused_max_bytes / 2 ** 20 * 100) / 100
+        return (f"`{row.compilation_config(size)}` ({size:g} MB: the fused limit `bench --tune` measured on this box "
+                f"at TP{entry.tp}, {profile.path})")
+    return (f"`{row.compilation_config(row.untuned_mb)}` ({row.untuned_mb:g} MB: not measured on this box, "
+            "fusion-table's smallest SM120 limit; bench --tune measures this box's)")
 
 
 def _fusion_with(located: Located, tree: Worktree):
