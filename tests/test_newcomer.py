@@ -4,6 +4,8 @@ commands the tool prints run as printed, vLLM's --compilation-config as one past
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import need
+from helpers import ROOT, need
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
 STRACE = shutil.which("strace")
@@ -136,3 +138,138 @@ def test_vllm_gets_one_compilation_config_with_the_size_for_this_box(tmp_path, v
         switch, sizing = list(passes)
         assert fields[switch] == "bool" and passes[switch] is True
         assert "float" in fields[sizing] and passes[sizing] == 0.5
+
+
+# -- every command the tool prints, run as printed ---------------------------------------------
+
+AS_ROOT = 'sudo "$(command -v sm120patch)" '
+PRINTED = re.compile(r"`((?:sudo \"\$\(command -v sm120patch\)\" |sm120patch )[^`]*)`")
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+def install_sm120patch(kind: str, home: Path, copy: Path) -> dict[str, str]:
+    """sm120patch installed the two ways the README gives, for the user whose home is ``home``:
+    in a venv of its own with its console script (pipx: the script linked into ~/.local/bin, on
+    PATH; a venv: its bin/ on PATH). The venv imports the readable copy of sm120patch and its
+    libraries (no PyPI here). Returns that user's environment."""
+    venv = home / (".local/share/pipx/venvs/sm120patch" if kind == "pipx" else "venvs/sm120patch")
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "sm120patch-copy.pth").write_text(f"{copy / 'src'}\n{copy / 'deps'}\n")
+    script = venv / "bin" / "sm120patch"
+    script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom sm120patch.__main__ import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    script.chmod(0o755)
+    if kind == "pipx":
+        (home / ".local" / "bin").mkdir(parents=True)
+        (home / ".local" / "bin" / "sm120patch").symlink_to(script)
+        bin_dir = home / ".local" / "bin"
+    else:
+        bin_dir = venv / "bin"
+    return {"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin", "LANG": "C.UTF-8", "NO_COLOR": "1"}
+
+
+def printed_commands(*texts: str) -> list[str]:
+    return list(dict.fromkeys(c for text in texts for c in PRINTED.findall(text)))
+
+
+# What each printed command may answer on this CPU-only box, whose serving environment has no
+# torch: anything but a command that does not parse, is not found, or crashes.
+EXPECTED = {"status": {0, 1}, "apply": {0}, "revert": {0}, "doctor": {0}, "check-log": {0}, "diff": {0},
+            "build": {2, 3}, "bench": {2}}
+
+
+@pytest.mark.wheels
+@pytest.mark.parametrize("user", ["root", "nobody"])
+def test_every_printed_command_runs_as_printed(shared_dir, flashinfer_wheel, sglang_wheel, user):
+    """The newcomer's session, with sm120patch installed as pipx and as a venv install puts it,
+    as root and as a user who is not: `status`, then every command it prints (backticked:
+    `next:`, `fix:`, `check:`, notes, hints) run by bash exactly as printed, then the same for
+    what `status` and `apply` print once patched. `bench --tune`'s one placeholder (the model's
+    directory, which sm120patch cannot know) is the only word replaced. A command printed with
+    sudo is run as sudo runs it: the `$(command -v sm120patch)` in the user's shell (sudo's own
+    PATH has no pipx or venv install), the rest as root. None may fail to parse, be not found
+    or crash; each exits with a code its --help lists for this box (no torch: bench and build
+    say the target cannot run them)."""
+    from helpers import make_venv, readable_copy
+    from sm120patch.tunedlimits import MODEL_PLACEHOLDER
+
+    need(shutil.which("bash") is not None, "needs bash")
+    copy = readable_copy(shared_dir)
+    model = shared_dir / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"hidden_size": 4096, "torch_dtype": "bfloat16"}')
+    etc = Path("/etc/sm120patch").exists()
+    for kind in ("pipx", "venv"):
+        home = shared_dir / f"{user}-{kind}"
+        home.mkdir()
+        environ = install_sm120patch(kind, home, copy)
+        env_root = home / "ml-env"
+        make_venv(env_root, [flashinfer_wheel, sglang_wheel], python="/usr/bin/python3", linked=user == "root")
+        python = str(env_root / "bin" / "python")
+        if user != "root":
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(home)], check=True)
+        prefix = NOBODY if user != "root" else []
+
+        def run(line: str, as_root: bool = False) -> subprocess.CompletedProcess:
+            return subprocess.run([*([] if as_root else prefix), "bash", "-c", line], env=environ, cwd=str(home),
+                                  capture_output=True, text=True, timeout=600)
+
+        ran: dict[str, tuple[int, str]] = {}
+
+        def run_printed(output: str) -> list[str]:
+            commands = [c for c in printed_commands(output) if c not in ran]
+            for line in commands:
+                pasted = line.replace(MODEL_PLACEHOLDER, str(model))
+                if pasted.startswith(AS_ROOT):  # what sudo runs: the path the user's shell found, as root
+                    assert user != "root", line  # root writes the profile itself
+                    found = run("command -v sm120patch").stdout.strip()
+                    assert found and Path(found).name == "sm120patch", (kind, found)
+                    proc = subprocess.run(["bash", "-c", f"{shlex.quote(found)} {pasted[len(AS_ROOT):]}"],
+                                          env={**environ, "HOME": "/root", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                          cwd="/", capture_output=True, text=True, timeout=600)
+                else:
+                    proc = run(pasted)
+                words = shlex.split(pasted.replace(AS_ROOT, "sm120patch "))
+                ran[line] = (proc.returncode, proc.stderr)
+                assert "command not found" not in proc.stderr and proc.returncode != 127, (kind, line, proc.stderr)
+                assert "--help` lists the" not in proc.stderr and "Traceback" not in proc.stderr, (kind, line, proc.stderr)
+                assert proc.returncode in EXPECTED[words[1]], (kind, line, proc.returncode, proc.stdout, proc.stderr)
+            return commands
+
+        first = run(f"sm120patch status --python {shlex.quote(python)}")
+        assert first.returncode == 1 and "next: `sm120patch apply" in first.stdout, (kind, first.stdout, first.stderr)
+        before = run_printed(first.stdout + first.stderr)
+        assert any(" apply " in c for c in before) and any("status --verbose" in c for c in before), before
+        assert run(f"sm120patch status --python {shlex.quote(python)}").returncode == 0  # the printed apply applied
+        patched = run(f"sm120patch status --python {shlex.quote(python)}")
+        verbose = run(f"sm120patch status --verbose --python {shlex.quote(python)}")
+        applied = run(f"sm120patch apply --python {shlex.quote(python)}")
+        after = run_printed(patched.stdout + verbose.stdout + applied.stdout)
+        tune = [c for c in after if "bench --tune" in c]
+        assert tune and all(c.startswith(AS_ROOT) == (user != "root") for c in tune), tune
+        assert any(" build " in c for c in after) and any("doctor" in c for c in after), after
+        # The README's Quick start, line by line as a user pastes it (its ~/ml-env is this one;
+        # check-log needs the server's log, which a box without a server has not got).
+        quick = (ROOT / "README.md").read_text().split("## Quick start")[1].split("```\n")[1]
+        (home / "models" / "my-model").mkdir(parents=True)
+        (home / "models" / "my-model" / "config.json").write_text((model / "config.json").read_text())
+        if user != "root":
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(home / "models")], check=True)
+        readme = [line for line in quick.splitlines()
+                  if line.startswith(("sm120patch ", AS_ROOT)) and " check-log " not in line]
+        assert len(readme) >= 5, quick
+        for line in readme:
+            if line.startswith(AS_ROOT):  # as sudo runs it (above)
+                found = run("command -v sm120patch").stdout.strip()
+                home_words = line[len(AS_ROOT):].replace("~/", f"{home}/")
+                proc = subprocess.run(["bash", "-c", f"{shlex.quote(found)} {home_words}"],
+                                      env={**environ, "HOME": "/root", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                      cwd="/", capture_output=True, text=True, timeout=600)
+            else:
+                proc = run(line)
+            words = line.replace(AS_ROOT, "sm120patch ").split()
+            assert proc.returncode in EXPECTED[words[1]] and "--help` lists the" not in proc.stderr, (
+                kind, line, proc.returncode, proc.stderr)
+        print(f"\n{user}, {kind}: {len(ran)} printed commands and {len(readme)} of the README's run as printed")
+    assert Path("/etc/sm120patch").exists() == etc  # bench refused before writing anything
