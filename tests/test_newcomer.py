@@ -273,3 +273,60 @@ def test_every_printed_command_runs_as_printed(shared_dir, flashinfer_wheel, sgl
                 kind, line, proc.returncode, proc.stderr)
         print(f"\n{user}, {kind}: {len(ran)} printed commands and {len(readme)} of the README's run as printed")
     assert Path("/etc/sm120patch").exists() == etc  # bench refused before writing anything
+
+
+# -- status: a screen by default ----------------------------------------------------------------
+
+def status_at_80(*argv: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "sm120patch", "status", *argv], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80"}, timeout=120)
+
+
+@pytest.mark.wheels
+def test_status_by_default_fits_a_40_line_terminal_one_line_per_distribution(serving_env):
+    """`status` answers per server, says in one line per distribution its version, whether it is
+    patched and what stands in the way, and what to run next: within 40 lines of 80 columns
+    for one environment, before and after apply. The whole table is --verbose's (and always
+    --json's); a label (fix:, check:, note:) stays on its command's line there. Before, status
+    printed the whole table (about 110 lines) every time."""
+    target = ["--python", str(serving_env.python), "--jit-cache-base", str(serving_env.home)]
+    for stage in ("pristine", "patched"):
+        short = status_at_80(*target)
+        lines = short.stdout.splitlines()
+        assert short.returncode == (1 if stage == "pristine" else 0), short.stderr
+        assert len(lines) <= 40, (len(lines), short.stdout)
+        state = "not patched" if stage == "pristine" else "patched"
+        for name in ("flashinfer-python 0.6.4", "sglang 0.5.9"):
+            assert [line for line in lines if line.startswith(f"  {name}: {state}")], (name, short.stdout)
+        assert "\n  fusion chain:" not in short.stdout and "\n  JIT cache: " not in short.stdout
+        assert "\nnext: " in short.stdout and "status --verbose" in " ".join(lines[-2:])
+        assert [line for line in lines if line.startswith("every patch, the fusion chain and the JIT cache:")]
+        if stage == "pristine":
+            assert "sglang 0.5.9: not patched; fusion-gate to apply; fusion blocked at: kernel-gates, server-gates" in (
+                " ".join(short.stdout.split()))
+        verbose = status_at_80(*target, "--verbose")
+        assert verbose.returncode == short.returncode and "\n  fusion chain:" in verbose.stdout
+        assert len(verbose.stdout.splitlines()) > 40
+        for line in verbose.stdout.splitlines():
+            if re.match(r" *(fix|check):", line):
+                assert "`sm120patch " in line, (line, verbose.stdout)  # the command beside its label
+        brief = status_at_80(*target, "--brief")
+        assert brief.returncode == short.returncode and "flashinfer-python" not in brief.stdout.split("will")[0]
+        if stage == "pristine":
+            assert subprocess.run([sys.executable, "-m", "sm120patch", "apply", *target], capture_output=True,
+                                  timeout=120).returncode == 0
+    assert status_at_80(*target, "--brief", "--verbose").returncode == 2
+
+
+def test_the_readme_quick_start_clones_and_keeps_the_venv_apart_from_the_clone():
+    """The Quick start begins with the clone; the venv install's directory is not where
+    `git clone` from the home directory puts the clone (~/sm120patch), nor inside it."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start")[1].split("### Uninstalling")[0]
+    block = quick.split("```\n")[1]
+    assert block.splitlines()[0].startswith("git clone ") and " sm120patch && cd sm120patch" in block.splitlines()[0]
+    venv = re.search(r"python3 -m venv (\S+)", quick).group(1)
+    assert venv.rstrip("/") != "~/sm120patch" and not venv.startswith("~/sm120patch/"), venv
+    assert "~/sm120patch" not in readme.split("### Uninstalling")[1].split("###")[0]
