@@ -4,10 +4,10 @@ commands the tool prints run as printed, vLLM's --compilation-config as one past
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -278,8 +278,6 @@ def test_every_printed_command_runs_as_printed(shared_dir, flashinfer_wheel, sgl
 # -- status: a screen by default ----------------------------------------------------------------
 
 def status_at_80(*argv: str) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, "-m", "sm120patch", "status", *argv], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "80"}, timeout=120)
 
@@ -330,3 +328,28 @@ def test_the_readme_quick_start_clones_and_keeps_the_venv_apart_from_the_clone()
     venv = re.search(r"python3 -m venv (\S+)", quick).group(1)
     assert venv.rstrip("/") != "~/sm120patch" and not venv.startswith("~/sm120patch/"), venv
     assert "~/sm120patch" not in readme.split("### Uninstalling")[1].split("###")[0]
+
+
+def test_the_printed_tune_command_takes_the_hidden_size_a_profile_of_this_box_holds(monkeypatch, tmp_path):
+    """Where a profile of this box already has the model's hidden size, `bench --tune` is printed
+    with it (nothing to fill in); else with the one placeholder. Where this user cannot write the
+    profile, through sudo, and with --profile when SM120PATCH_TUNED_LIMITS names it (sudo does not
+    pass the variable on)."""
+    from sm120patch import tunedlimits
+
+    target = (("--python", "/srv/env/bin/python"),)
+    entry = tunedlimits.Entry(4, 1 << 17, 1 << 20, 7168, "bf16", "2026-12-01T00:00:00Z", "", (), {})
+    held = tunedlimits.Profile("/etc/sm120patch/tuned-limits.json", False, "", (entry,), ())
+    absent = tunedlimits.Profile("/etc/sm120patch/tuned-limits.json", False, "absent", (), ())
+    monkeypatch.delenv(tunedlimits.ENV, raising=False)
+    root = os.geteuid() == 0
+    prefix = "sm120patch" if root else tunedlimits.AS_ROOT
+    assert tunedlimits.tune_command(target, held) == f"{prefix} bench --tune --hidden 7168 --python /srv/env/bin/python"
+    assert tunedlimits.tune_command(target, absent) == (
+        f"{prefix} bench --tune --model {tunedlimits.MODEL_PLACEHOLDER} --python /srv/env/bin/python")
+    mine = tmp_path / "limits" / "tuned-limits.json"  # a directory the tuner makes, in one this user may write
+    assert tunedlimits.tune_command(target, absent, {tunedlimits.ENV: str(mine)}).startswith("sm120patch bench --tune ")
+    if root:  # the rest is what a user who is not root sees
+        return
+    closed = "/proc/tuned-limits.json"
+    assert tunedlimits.tune_command(target, absent, {tunedlimits.ENV: closed}).endswith(f"--profile {closed}")

@@ -381,8 +381,9 @@ def cli(quiet) -> None:
     progress.QUIET = quiet
 
 
-@cli.command(short_help="Show what is installed and patched, stale JIT entries, AOT shadowing.",
+@cli.command(short_help="Will each server fuse, what stands in the way, what to run next (--verbose: all of it).",
              epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
+                            "sm120patch status --verbose --python ~/ml-env/bin/python3   # every patch, the chain",
                             "sm120patch status --python ~/ml-env/bin/python3 --json | jq .exit_code",
                             "sm120patch status --source ~/src/flashinfer"],
                            [(0, "everything installed is patched (or fixed upstream)"),
