@@ -353,3 +353,19 @@ def test_the_printed_tune_command_takes_the_hidden_size_a_profile_of_this_box_ho
         return
     closed = "/proc/tuned-limits.json"
     assert tunedlimits.tune_command(target, absent, {tunedlimits.ENV: closed}).endswith(f"--profile {closed}")
+
+
+@pytest.mark.wheels
+def test_status_of_a_checkout_by_default_says_what_head_has_in_one_line(tmp_path, flashinfer_wheel):
+    """A git checkout's line is judged by meaning, as --verbose's table is: every patch to apply
+    before, none after apply's commit."""
+    from helpers import run_cli
+    from test_source import flashinfer_tree
+
+    root = flashinfer_tree(flashinfer_wheel, tmp_path / "flashinfer", "0.6.4").working_tree_dir
+    before = run_cli("status", "--source", root, short=True)
+    assert before.exit_code == 1 and "not patched; 7 patches to apply" in before.output, before.output
+    assert run_cli("apply", "--source", root).exit_code == 0
+    after = run_cli("status", "--source", root, short=True)
+    assert after.exit_code == 0 and "to apply" not in after.output and ": patched" in after.output, after.output
+    assert len(after.output.splitlines()) <= 10

@@ -272,7 +272,10 @@ def _in_the_way(item: TreeStatus) -> str:
     elif a.patch_set is not None:
         by_state: dict[str, list[str]] = {}
         for patch in a.patch_set.patches:
-            state = a.patch_state(patch)
+            if item.tree.judged_by_meaning:  # a checkout: what its files have, by meaning (as --verbose)
+                state = State.APPLIED if item.by_meaning.get(patch.id, False) else State.PRISTINE
+            else:
+                state = a.patch_state(patch)
             if patch.required and state is not State.APPLIED:
                 by_state.setdefault(state.value, []).append(patch.id)
         for state, ids in by_state.items():
