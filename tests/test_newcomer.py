@@ -114,7 +114,7 @@ def pass_config_fields(site: Path) -> dict[str, str]:
 
 @pytest.mark.wheels  # fetches a real vLLM wheel itself (no wheel fixture marks it)
 @pytest.mark.parametrize("version", ["0.11.1"])
-def test_vllm_gets_one_compilation_config_with_the_size_for_this_box(tmp_path, version):
+def test_vllm_gets_one_compilation_config_with_the_size_for_this_box(tmp_path, monkeypatch, version):
     """vLLM's advice names one --compilation-config a user can paste: the key that turns the
     pass on and the size key with its value, both fields of the release's own PassConfig (read
     from its wheel), parsed as vLLM parses the option (JSON). Before, it named
@@ -138,6 +138,18 @@ def test_vllm_gets_one_compilation_config_with_the_size_for_this_box(tmp_path, v
         switch, sizing = list(passes)
         assert fields[switch] == "bool" and passes[switch] is True
         assert "float" in fields[sizing] and passes[sizing] == 0.5
+
+    # With a profile of this box: its fused limit, the smallest over its TP sizes (vLLM takes one
+    # value for every TP size), in MB.
+    from test_tuned_limits import write_profile
+
+    profile = tmp_path / "tuned-limits.json"
+    write_profile(profile, {"vllm": version}, tp2=(1024, 64), tp4=(256, 32))  # 8 MiB and 2 MiB at hidden 4096
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(profile))
+    output = Session(env)("status", "--verbose").output
+    tuned = re.findall(r"`(--compilation-config '[^`]*')` \(([^)]*)\)", output)
+    assert tuned and all(json.loads(shlex.split(c)[1])["pass_config"]["fi_allreduce_fusion_max_size_mb"] == 2
+                         and "measured on this box at TP4" in why for c, why in tuned), output
 
 
 # -- every command the tool prints, run as printed ---------------------------------------------
