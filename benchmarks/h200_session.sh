@@ -15,6 +15,8 @@
 #                                             # tests/test_one_gpu.py, pristine vs patched (docs/one-gpu.md)
 #   bash benchmarks/h200_session.sh tuned     # issue #52 on this one GPU: SGLang 0.5.9's layer under a tuned-limits
 #                                             # profile (TP2, TP4), and `bench --tune` end to end (docs/tuning.md)
+#   bash benchmarks/h200_session.sh tuned-releases  # issue #60: SGLang 0.5.9's and 0.5.21's tuned layers under a
+#                                             # profile made on this box, TP2 and TP4, ranks on this one GPU
 #   bash benchmarks/h200_session.sh pcie-ipc  # the servers' PCIe-IPC allreduce + norm as bench --tune makes and
 #                                             # checks it, ranks on this one GPU (benchmarks/pcie_ipc_one_gpu.py)
 set -u
@@ -26,7 +28,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps .whl/libcst-*.whl
 python3 -m venv /tmp/env
 python3 -c 'import site; print(site.getsitepackages()[0])' > "$(/tmp/env/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-case "${1:-build}" in clamp|ranks|tuned|pcie-ipc) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
+case "${1:-build}" in clamp|ranks|tuned|tuned-releases|pcie-ipc) ;; *) false;; esac || /tmp/env/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/sglang-*.whl
 export PYTHONPATH=$PWD/src:/tmp/sm-deps
 P=(--python /tmp/env/bin/python --jit-cache-base /tmp/ws)
 step() { echo; echo "\$ $*"; "$@"; echo "(exit code $?)"; }
@@ -34,6 +36,45 @@ sm120patch() { python3 -m sm120patch "$@"; }
 build_and_load() { FLASHINFER_CUDA_ARCH_LIST="$1" FLASHINFER_WORKSPACE_BASE=/tmp/ws /tmp/env/bin/python benchmarks/trtllm_comm_build_and_load.py; }
 
 case "${1:-build}" in
+tuned-releases)
+    # Issue #60 on this one GPU: SGLang's tuned layer, as patched, under a profile made on this box,
+    # on 0.5.9 (with flashinfer-python 0.6.4, patched by sm120patch) and on 0.5.21 (with the 0.6.18
+    # it pins, upstream-fixed: nothing of FlashInfer to patch), TP2 then TP4 while TUNED_BUDGET lasts.
+    # The layers' files (.servers/patched/sglang-tuned-VER/) come from `one_gpu_ranks.py servers
+    # --suites sglang-tuned-0.5.9,sglang-tuned-0.5.21`, run where the wheels are.
+    T0=$(date +%s)
+    RES=$OUT/tuned && mkdir -p $RES
+    left() { echo $(( ${TUNED_BUDGET:-560} - ($(date +%s) - T0) )); }
+    export FLASHINFER_CUDA_ARCH_LIST=9.0a
+    # The image has click, packaging and pytest; sm120patch's other needs travel.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sm-deps --upgrade .whl/gitpython-*.whl \
+        .whl/gitdb-*.whl .whl/smmap-*.whl .whl/libcst-*.whl
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,pci.bus_id --format=csv,noheader | tee $RES/gpu.txt
+    for fi in 0.6.4 0.6.18; do
+        d=/tmp/fi-$fi
+        [ -e $d/.ready ] && continue
+        python3 -m venv $d
+        python3 -c 'import site; print(site.getsitepackages()[0])' > "$($d/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+        $d/bin/python -m pip install -q --no-index --no-deps --no-compile .whl/flashinfer_python-$fi-*.whl .whl/apache_tvm_ffi-*.whl
+        step python3 -m sm120patch apply --python $d/bin/python --jit-cache-base $d/ws 2>&1 | tee $RES/apply-$fi.txt
+        for module in "comm.trtllm_ar import get_trtllm_comm_module as g" "norm import get_norm_module as g"; do
+            ( FLASHINFER_WORKSPACE_BASE=$d/ws MAX_JOBS=8 /usr/bin/time -f "$fi ${module%% *}: %e s" $d/bin/python -c "from flashinfer.$module; g()" \
+                > $RES/build-$fi-${module%% *}.txt 2>&1 ) &
+        done
+        touch $d/.ready
+    done
+    wait
+    echo "== builds ($(( $(date +%s) - T0 )) s): $(tail -qn 1 $RES/build-*.txt | tr '\n' ' ')"
+    for node in "0.6.4 sglang-tuned-0.5.9 2" "0.6.18 sglang-tuned-0.5.21 2" "0.6.4 sglang-tuned-0.5.9 4" "0.6.18 sglang-tuned-0.5.21 4"; do
+        set -- $node
+        [ "$(left)" -gt 60 ] || { echo "skip $node: $(left) s left"; continue; }
+        t=$(( $(left) - 40 )); [ $t -gt 200 ] && t=200
+        env SM120PATCH_GPU_PYTHON=/tmp/fi-$1/bin/python SM120PATCH_ONE_GPU_SERVERS=$PWD/.servers SM120PATCH_ONE_GPU_OUT=$RES \
+            SM120PATCH_ONE_GPU_TUNED_SUITE=$2 SM120PATCH_ONE_GPU_TIMEOUT=$t timeout $(( 2 * t + 30 )) python3 -m pytest -m gpu \
+            --noconftest -p no:cacheprovider -q -s -rA tests/test_one_gpu.py -k "sglang_layer and $3" < /dev/null > $RES/pytest-$2-tp$3.txt 2>&1
+        echo "== $2 TP$3 (pytest exit $?, $(( $(date +%s) - T0 )) s): $(tail -n 1 $RES/pytest-$2-tp$3.txt)"
+    done
+    ;;
 pcie-ipc)
     # FlashInfer 0.7.0 (.whl/: flashinfer_python-0.7.0, apache_tvm_ffi, cuda_tile) in a venv that
     # sees the image's torch; SGLang and vLLM are not installed (their dependencies do not travel),

@@ -37,9 +37,12 @@ Suites:
                  code's own fingerprint, fused up to 64 tokens and one-shot up to 16 at TP2 and
                  TP4; none; a corrupt one). A batch not fused takes the unfused path (the allreduce,
                  then FlashInfer's fused_add_rmsnorm, as the server's RMSNorm does). Every path's
-                 outputs are checked against the float32 reference. Stood in for: the server's
-                 SM120 answers (the predicate's is_sm120_supported and the inserted code's device
-                 check: the kernels run on this GPU as they are), the parallel state (sglang_names)
+                 outputs are checked against the float32 reference. Stood in for: the device's
+                 SM120 answers (the predicate's is_sm120_supported, and torch's capability while the
+                 predicate decides: the kernels run on this GPU as they are), and what the inserted
+                 code reads of the server (the parallel state of this group, the server's arguments
+                 with fusion on, the hidden size), in the modules each release keeps them in; the
+                 inserted code runs as patched (0.5.9, and 0.5.21+ whose layer is add_norm.py)
   vllm-VER       vLLM's flashinfer_all_reduce.py of that release: its own get_fi_ar_workspace
                  (backend auto, one node), then FlashInfer's allreduce_fusion with that workspace
                  as vLLM's fusion pass's op calls it (kARResidualRMSNorm, PDL, fp32_acc)
@@ -189,8 +192,8 @@ def sglang_names(r: Rank) -> dict:
     world_group = dist.group.WORLD
     coordinator = types.SimpleNamespace(world_size=r.world, rank_in_group=r.rank, device_group=world_group,
                                         cpu_group=world_group)
-    parallel = types.SimpleNamespace(attn_tp_size=r.world, attn_tp_rank=r.rank, moe_ep_size=1, moe_ep_rank=0,
-                                     moe_tp_size=r.world, moe_tp_rank=r.rank)
+    parallel = types.SimpleNamespace(tp_size=r.world, tp_rank=r.rank, attn_tp_size=r.world, attn_tp_rank=r.rank,
+                                     moe_ep_size=1, moe_ep_rank=0, moe_tp_size=r.world, moe_tp_rank=r.rank)
     major = torch.cuda.get_device_capability(0)[0]
     return {
         "is_flashinfer_available": lambda: True,
@@ -277,14 +280,41 @@ def sglang_tuned(r: Rank, suite: str, path: str) -> None:
 
     logging.getLogger().addHandler(Handler())
     logging.getLogger().setLevel(logging.INFO)
+    where = spec.get("module", "sglang.srt.layers.communicator")  # the predicate's module in this release
     predicate = sd.load_predicate(str(directory / "predicate.py"), spec["predicate"], sd.sglang_predicate_names(torch),
-                                  name="sglang.srt.layers.communicator")
-    # The inserted code's SM120 check asks torch (this GPU is SM90); the parallel state is this group.
-    predicate._sm120patch_is_sm120 = lambda: True
-    predicate._sm120patch_sglang_tp_size = lambda: r.world
-    for parent in ("sglang", "sglang.srt", "sglang.srt.layers"):
-        sys.modules.setdefault(parent, types.ModuleType(parent))
-    sys.modules["sglang.srt.layers.communicator"] = predicate  # where the fused call's module asks
+                                  name=where)
+    # What the inserted code asks of the rest of the server (each release's _sm120patch_sglang_served
+    # imports it from where that release keeps it): the parallel state of this gloo group, the
+    # server's arguments with fusion on, no DP attention, the served model's hidden size. The
+    # inserted code itself runs as patched: nothing of it is replaced.
+    names = sglang_names(r)
+    server_args = types.SimpleNamespace(enable_flashinfer_allreduce_fusion=True,
+                                        flashinfer_allreduce_fusion_backend="trtllm", nnodes=1)
+    served = {
+        "sglang.srt.distributed": {"get_tensor_model_parallel_world_size": names["get_tensor_model_parallel_world_size"]},
+        "sglang.srt.layers.dp_attention": {"get_dp_hidden_size": lambda: HIDDEN, "is_dp_attention_enabled": lambda: False},
+        "sglang.srt.server_args": {"get_global_server_args": lambda: server_args},
+        "sglang.srt.runtime_context": {"get_parallel": names["get_parallel"],
+                                       "get_exec": lambda: types.SimpleNamespace(comm=server_args)},
+    }
+    for dotted, attributes in served.items():
+        for depth in range(1, dotted.count(".") + 1):
+            sys.modules.setdefault(".".join(dotted.split(".")[:depth]), types.ModuleType(".".join(dotted.split(".")[:depth])))
+        sys.modules.setdefault(dotted, types.ModuleType(dotted)).__dict__.update(attributes)
+    for depth in range(1, where.count(".") + 1):
+        sys.modules.setdefault(".".join(where.split(".")[:depth]), types.ModuleType(".".join(where.split(".")[:depth])))
+    sys.modules[where] = predicate  # where the fused call's module asks
+
+    real_capability = torch.cuda.get_device_capability
+
+    def deciding(tokens):
+        """The predicate's answer with the device answering as an SM120 GPU (this one is not): the
+        inserted code asks torch once per process, at its first decision, and keeps the answer."""
+        torch.cuda.get_device_capability = lambda device=None: (12, 0)
+        try:
+            return bool(getattr(predicate, spec["predicate"])(tokens))
+        finally:
+            torch.cuda.get_device_capability = real_capability
     module = sd.load_plain_functions(str(directory / "fusion.py"), f"sglang_fusion_{suite.replace('.', '_')}", logged,
                                      sglang_names(r), whole=True)
     handed: list = []
@@ -303,11 +333,12 @@ def sglang_tuned(r: Rank, suite: str, path: str) -> None:
     module._flashinfer_comm = Recorder(module._flashinfer_comm)
     for profile, where in tuned_profiles(r, predicate).items():
         os.environ["SM120PATCH_TUNED_LIMITS"] = str(where)
-        predicate._SM120PATCH_SEEN.clear()  # a fresh server process, as far as the inserted code can tell
+        for cache in ("_SM120PATCH_SEEN", "_SM120PATCH_TOKENS", "_SM120PATCH_DEVICE"):  # a fresh server process,
+            predicate.__dict__.get(cache, {}).clear()                                  # as far as the inserted code can tell
         del logged[:]
         for tokens in TUNED_BATCHES:
             x, residual, gamma = make_inputs(tokens, HIDDEN, r.rank, r.device, r.dtype)
-            fuses = bool(getattr(predicate, spec["predicate"])(tokens))
+            fuses = deciding(tokens)
             dist.barrier()
             try:
                 if fuses:
@@ -539,7 +570,8 @@ def servers(args) -> int:
             for name, path in (("predicate.py", tuned.file), ("fusion.py", fused)):
                 patches = [p for p in chosen if p.file == path]
                 (target / name).write_bytes(checked(dist, version, path, wheel.read(path), patches))
-            (target / "suite.json").write_text(json.dumps({"predicate": predicate}))
+            (target / "suite.json").write_text(json.dumps({"predicate": predicate,
+                                                           "module": tuned.file[:-len(".py")].replace("/", ".")}))
             made[suite] = {"files": [tuned.file, fused], "patches": [p.id for p in chosen], "predicate": predicate}
             print(f"{suite}: {tuned.file} and {fused}: {', '.join(made[suite]['patches'])}")
             continue

@@ -405,6 +405,105 @@ def test_tuner_statistics_and_profile_facts_in_the_target(runtime_env):
     assert facts["software"] == {"flashinfer-python": "0.6.4", "sglang": "0.5.9", "torch": "2.13.0+cpu"}  # no vllm
 
 
+def test_the_workers_measure_the_sizes_the_tuner_asks_for_in_the_same_run(runtime_env, tmp_path):
+    """Issue #60 item 7, the refinement as a step of the run: two real worker processes in the
+    target interpreter (CPU torch, gloo) run the worker's own tune_rows, each size's measurement
+    given by a table-driven tune_row (a box whose crossovers lie between the sizes asked for);
+    rank 0 sends its rows to the parent, bench.follow answers with the tuner's next size
+    (limits.next_probe), every rank measures it, until the answer is none. Both ranks measured
+    the same sizes, the probes are marked, and the limits land within 10 % of the crossovers."""
+    import os
+    import socket
+
+    from sm120patch.bench.limits import Row, derive, next_probe
+
+    worker = Path(bench.__file__).with_name("_bench_worker.py")
+    script = f"""
+        import importlib.util, json, os, torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("worker", {str(worker)!r})
+        w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo")
+        if rank == 0:
+            w._progress = os.fdopen(int(os.environ["SM120PATCH_BENCH_FD"]), "w", buffering=1)
+
+        def tune_row(config, index, tokens, *rest):  # one-shot and two-shot cross at 13, two-shot and NCCL at 45
+            w.emit(event="case", index=index, tokens=tokens, hidden=4096, strategy="every path")
+            row = {{"tokens": tokens, "bytes": tokens * 8192, "repeats": 7}}
+            for column, median in (("oneshot", 5.0 + 0.75 * tokens), ("twoshot", 8.25 + 0.5 * tokens),
+                                   ("unfused", 17.25 + 0.3 * tokens)):
+                if column != "twoshot" or tokens > 2:
+                    row[column + "_us"], row[column + "_iqr_us"] = median, [median * 0.995, median * 1.005]
+            return row
+
+        w.tune_row = tune_row
+        config = {{"tokens": [1, 2, 4, 8, 16, 32, 64, 128], "hidden": [4096], "tune": {{"refine": True}}}}
+        rows = w.tune_rows(config, rank, 2, None, None, None, dist.group.WORLD)
+        with open(os.path.join({str(tmp_path)!r}, "rows-%d.json" % rank), "w") as handle:
+            json.dump(rows, handle)
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    read_fd, write_fd = os.pipe()
+    ask_read, ask_write = os.pipe()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if rank == 0:
+            env.update(SM120PATCH_BENCH_FD=str(write_fd), SM120PATCH_BENCH_ASK_FD=str(ask_read))
+        procs.append(subprocess.Popen([str(runtime_env.python), "-c", textwrap.dedent(script)], env=env,
+                                      pass_fds=(write_fd, ask_read) if rank == 0 else ()))
+    os.close(write_fd)
+    os.close(ask_read)
+    asked, seen = [], []
+
+    def ask(rows):
+        asked.append(next_probe(derive([Row.from_table(r) for r in rows], world=2, hidden=4096)))
+        return asked[-1]
+
+    try:
+        bench.follow(procs, read_fd, seen.append, build_timeout=120, case_timeout=120, ask=ask, answer_fd=ask_write)
+    finally:
+        os.close(read_fd)
+        os.close(ask_write)
+    assert [p.returncode for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rows-{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0] == ranks[1]
+    probes = [r["tokens"] for r in ranks[0] if r.get("probe")]
+    assert asked[-1] is None and probes == asked[:-1] and 0 < len(probes) <= 8
+    assert not any(e.get("event") == "refine" for e in seen)  # the rows are answered, not shown as progress
+    limits = derive([Row.from_table(r) for r in ranks[0]], world=2, hidden=4096)
+    a, b = limits.oneshot_max_bytes // 8192, limits.fused_max_bytes // 8192
+    assert 13 / 1.1 <= a <= 13 and 45 / 1.1 <= b <= 45
+
+
+def test_status_holds_a_profile_to_the_targets_torch_as_the_server_does(runtime_env, tmp_path, monkeypatch):
+    """Issue #60 item 8: the target's torch (2.13.0+cpu here, read by the probe from its metadata,
+    as the server's importlib.metadata reads it) against the profile's. Tuned with another torch:
+    the server would not take it, and status does not say a profile holds. Tuned with this torch:
+    it holds, and no torch is left unchecked."""
+    from sm120patch import _tuned_runtime as runtime
+
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+
+    def tp_step(torch: str) -> str:
+        entry = {"created": "2026-12-05T01:30:00Z", "nccl_env": runtime._sm120patch_nccl_env(), "dtype": "bf16",
+                 "hidden": 4096, "fused_max_bytes": 64 * 8192, "oneshot_max_bytes": 16 * 8192,
+                 "software": {"flashinfer-python": "0.6.4", "sglang": "0.5.9", "torch": torch}}
+        path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": runtime._sm120patch_box(),
+                                    "entries": {"4": entry}}))
+        result = Session(runtime_env)("status", "--json")
+        return next(s["text"] for t in json.loads(result.stdout)["distributions"] if t.get("fusion")
+                    for s in t["fusion"]["steps"] if s["id"] == "tp")
+
+    other = tp_step("2.11.0+cu130")
+    assert other.startswith("untuned: SGLang fuses every batch") and "a profile holds" not in other
+    same = tp_step("2.13.0+cpu")
+    assert same.startswith("untuned: a profile holds for this box (TP4: fused up to 512 KiB per rank")
+
+
 def test_the_worker_is_python_3_8():
     """It runs in the server's interpreter, whose floor is 3.8."""
     import ast

@@ -70,6 +70,11 @@ def test_every_message_fragment_is_in_the_lowest_and_highest_release_of_its_rang
                 assert fragment in text, f"{distribution} {version} {row.file}: {fragment!r} is not in its source"
                 checked += 1
     assert checked >= 2 * (len(logs.lines) - len(native))
+    # The starts of the records that echo a request (never read) are the releases' own too.
+    releases = known(server, logs.versions)
+    for start in logs.echo:
+        for version in releases:
+            assert start in wheel_text(server, version, None), f"{server} {version}: no {start!r} in its source"
 
 
 # -- the releases' own formats, read from their wheels -----------------------------------------------
@@ -95,7 +100,11 @@ def sglang_line(version: str, prefix: str, message: str) -> str:
     return formatter.format(logging.makeLogRecord({"msg": message, "levelname": "INFO"})) + "\n"
 
 
-def vllm_line(version: str, process: str | None, file: str, message: str, level: str = "INFO") -> str:
+VLLM_LOGGING_PREFIX = ""  # the environment variable the server ran with (a test may set it)
+
+
+def vllm_line(version: str, process: str | None, file: str, message: str, level: str = "INFO",
+              pid: int | None = None) -> str:
     """vLLM's record format (every line of a multi-line message gets the header, as its
     NewLineFormatter does) behind the worker's "(name pid=N) " prefix, from the wheel."""
     logger_src = wheel_text("vllm", version, "vllm/logger.py")
@@ -103,9 +112,9 @@ def vllm_line(version: str, process: str | None, file: str, message: str, level:
                and getattr(n.targets[0], "id", None) == "_FORMAT")
     datefmt = next(n.value.value for n in ast.walk(ast.parse(logger_src)) if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", None) == "_DATE_FORMAT")
-    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX=""),  # noqa: S307
-                                   "VLLM_LOGGING_PREFIX": ""})  # 0.11: imported from vllm.envs by name
-    pid = 4000 + sum(map(ord, process or "MainProcess"))
+    text = eval(ast.unparse(fmt), {"envs": types.SimpleNamespace(VLLM_LOGGING_PREFIX=VLLM_LOGGING_PREFIX),  # noqa: S307
+                                   "VLLM_LOGGING_PREFIX": VLLM_LOGGING_PREFIX})  # 0.11: imported from vllm.envs by name
+    pid = pid or 4000 + sum(map(ord, process or "MainProcess"))
     record = logging.makeLogRecord({"msg": "\x00", "levelname": level, "lineno": 42, "process": pid})
     record.fileinfo = file
     # From 0.31 the record format names the process itself (set_vllm_process_name; the main
@@ -754,7 +763,9 @@ def test_a_fragment_says_what_its_lines_support(tmp_path):
                               logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
                                      backend="trtllm")) for r in (0, 1))
     code, doc = check(tmp_path, warn + fused)
-    assert doc["verdict"] == "fused" and code == 0 and not doc["final"], doc
+    # Not fused: from 0.29 the workspace line is fusion's only where the settings line (not in this
+    # fragment) asks for the pass, and the server has not said it is ready.
+    assert doc["verdict"] == "starting" and code == 5 and not doc["final"], doc
     assert any(n.startswith("not counted:") and "--version tells" in n for n in doc["notes"]), doc
 
 
@@ -828,13 +839,16 @@ def test_a_fifo_without_a_writer_ends_at_the_timeout_and_a_closed_one_is_read(tm
     assert result.returncode == 0 and "Illegal seek" not in result.stderr, result
 
 
-@pytest.mark.parametrize("how", ["path", "stdin", "pipe"])
+@pytest.mark.parametrize("how", ["path", "stdin", "pipe", "no-newline"])
 def test_an_endless_source_is_refused_in_bounded_time(how):
     if how == "path":
         result = sm120patch("check-log", "/dev/zero")
     elif how == "stdin":
         with open("/dev/zero", "rb") as zero:
             result = sm120patch("check-log", "-", stdin=zero)
+    elif how == "no-newline":  # one endless "line": the part skipped past is judged too
+        result = subprocess.run(f"cat /dev/zero | {sys.executable} -m sm120patch check-log - --timeout 60", shell=True,
+                                capture_output=True, text=True, timeout=120)
     else:
         result = subprocess.run(f"cat /dev/urandom | {sys.executable} -m sm120patch check-log -", shell=True,
                                 capture_output=True, text=True, timeout=120)
@@ -982,3 +996,421 @@ def test_the_tuned_limits_a_server_took_are_reported(tmp_path, server):
         assert code == 0 and doc["verdict"] == "fused", doc
         mine = [n for n in doc["notes"] if said in n]
         assert len(mine) == 1 and mine[0].startswith("TP0, TP1: " if server == "sglang" else "Worker_TP0, Worker_TP1: "), doc["notes"]
+
+
+# -- issue #62: fleets, node log files, lines a user writes, wrong fixes, ready or not ----------------
+
+def pod(name: str, text: str) -> str:
+    """``text`` as `kubectl logs -l app=... --prefix` prints it for the pod ``name``."""
+    return "".join(f"[pod/{name}/server] {line}\n" for line in text.splitlines())
+
+
+def interleaved(*streams: str) -> str:
+    """The lines of several streams taken in turn, as one stream of a fleet mixes them."""
+    split = [s.splitlines() for s in streams]
+    out = []
+    for index in range(max(map(len, split))):
+        out += [lines[index] for lines in split if index < len(lines)]
+    return "".join(line + "\n" for line in out)
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_replicas_in_one_kubectl_prefix_stream_are_told_apart(tmp_path, server):
+    """Two replicas of a Deployment read with kubectl's --prefix: each gets its own verdict, named,
+    and the exit is the worst; two fused replicas are not 'run 2 of 2'; one pod with --prefix
+    reads as a plain log does."""
+    version, run = RUNS[server]
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    code, doc = check(tmp_path, pod("srv-a", run(version, "fused")), *args)
+    assert code == 0 and doc["verdict"] == "fused" and doc["replica"] == "pod/srv-a/server", doc
+    both = interleaved(pod("srv-a", run(version, "fused")), pod("srv-b", run(version, "fused")))
+    code, doc = check(tmp_path, both, *args)
+    assert code == 0 and doc["verdict"] == "fused", doc
+    assert [(r["replica"], r["verdict"], r["runs"]) for r in doc["replicas"]] == [
+        ("pod/srv-a/server", "fused", 1), ("pod/srv-b/server", "fused", 1)], doc
+    # kubectl's own lines in the stream (no replica, no server line) are not a replica.
+    noise = "Defaulted container \"server\" out of: server, init (init)\n"
+    code, doc = check(tmp_path, noise + both, *args)
+    assert code == 0 and len(doc["replicas"]) == 2, doc
+    mixed = interleaved(pod("srv-a", run(version, "fused")), pod("srv-b", run(version, "fell-back")))
+    code, doc = check(tmp_path, mixed, *args)
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["replica"] == "pod/srv-b/server", doc
+    assert "2 replicas (1 fell-back, 1 fused)" in doc["summary"], doc
+    text = run_cli("check-log", str(tmp_path / "server.log"), *args).output
+    assert "server.log (pod/srv-a/server)" in text and "server.log (pod/srv-b/server)" in text, text
+    # --follow answers once every replica has a final verdict.
+    result = run_cli("check-log", str(tmp_path / "server.log"), "--follow", "--timeout", "60", "--json", *args)
+    assert result.exit_code == 1 and not json.loads(result.output)["timed_out"], result.output
+
+
+def cri(text: str, cut: int = 0) -> str:
+    """``text`` as the CRI format of /var/log/pods writes it (containerd, CRI-O): time, stream,
+    P or F; with ``cut``, each line longer than that is split into P records and a last F."""
+    out = []
+    for line in text.splitlines():
+        parts = [line[i:i + cut] for i in range(0, len(line), cut)] if cut else [line]
+        out += [f"2026-11-28T10:03:41.123456789Z stderr {'F' if i == len(parts) - 1 else 'P'} {part}"
+                for i, part in enumerate(parts)]
+    return "\n".join(out) + "\n"
+
+
+def docker_json(text: str, cut: int = 0) -> str:
+    """``text`` as docker's json-file driver writes it (a line it cut has no newline at the end)."""
+    out = []
+    for line in text.splitlines():
+        parts = [line[i:i + cut] for i in range(0, len(line), cut)] if cut else [line]
+        out += [json.dumps({"log": part + ("\n" if i == len(parts) - 1 else ""), "stream": "stderr",
+                            "time": "2026-11-28T10:03:41.123456789Z"}, separators=(",", ":"))
+                for i, part in enumerate(parts)]
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("wrap", ["cri", "cri-partial", "docker-json", "docker-json-partial"])
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_node_log_files_are_read_by_their_format(tmp_path, server, wrap):
+    version, run = RUNS[server]
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    for outcome, expect in (("fused", (0, "fused")), ("fell-back", (1, "fell-back"))):
+        text = run(version, outcome)
+        wrapped = (cri if wrap.startswith("cri") else docker_json)(text, 40 if wrap.endswith("partial") else 0)
+        code, doc = check(tmp_path, wrapped, *args)
+        assert (code, doc["verdict"]) == expect, (outcome, doc)
+        if outcome == "fused":
+            assert sorted(r["verdict"] for r in doc["ranks"]) == ["fused", "fused"], doc
+
+
+def test_compressed_rotations_are_read_by_content_with_and_without_follow(tmp_path):
+    import gzip as gz
+
+    version = "0.5.9"
+    rotated = tmp_path / "server.log.1"  # no .gz: the content says what it is
+    rotated.write_bytes(gz.compress(sglang_run(version, "fused").encode()))
+    args = ("--server", "sglang", "--version", version, "--json")
+    result = run_cli("check-log", str(rotated), *args)
+    assert result.exit_code == 0 and json.loads(result.output)["verdict"] == "fused", result.output
+    started = time.monotonic()
+    result = run_cli("check-log", str(rotated), "--follow", "--timeout", "60", *args)
+    assert result.exit_code == 0 and time.monotonic() - started < 30, result.output  # it never grows
+    piped = subprocess.run(f"cat {rotated} {rotated} | {sys.executable} -m sm120patch check-log - "
+                           "--server sglang --version 0.5.9 --json", shell=True, capture_output=True, text=True,
+                           timeout=120)
+    doc = json.loads(piped.stdout)
+    assert piped.returncode == 0 and (doc["run"], doc["runs"]) == (2, 2), piped
+    result = run_cli("check-log", str(rotated), "--new-run", "--timeout", "5", "--server", "sglang")
+    assert result.exit_code == 2 and "no run of the server can begin in it" in result.output, result.output
+
+
+def test_a_long_line_is_matched_by_its_start_and_the_log_is_still_read(tmp_path):
+    """A 1.6 MB request logged after the server is up: the rest of that line is skipped, the log
+    is not refused, the verdict stands."""
+    version = "0.5.9"
+    text = sglang_run(version, "fused")
+    big = sglang_line(version, " TP0", "Prefill batch. #new-seq: 1, " + "x" * 1_600_000)
+    code, doc = check(tmp_path, text + big, "--server", "sglang", "--version", version)
+    assert code == 0 and doc["verdict"] == "fused", doc
+
+
+def test_a_zstd_log_is_read_or_refused_in_one_line(tmp_path):
+    log = tmp_path / "server.log.2"
+    log.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))  # zstd's magic number, then a frame
+    result = sm120patch("check-log", str(log))
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        if sys.version_info < (3, 14):
+            assert result.returncode == 2 and "zstd" in result.stderr and "zstd -dc" in result.stderr, result
+            return
+    assert result.returncode in (2, 5) and "Traceback" not in result.stderr, result
+
+
+def test_binary_data_is_refused_with_exit_2():
+    result = sm120patch("check-log", "/bin/ls")
+    assert result.returncode == 2 and "not a text log" in result.stderr, result
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 2
+
+
+def test_a_bare_traceback_holding_the_readmes_error_is_a_crash(tmp_path):
+    """_resolve_backend of the 0.5.14 wheel raising on SM120, printed by Python itself (no
+    'Scheduler hit an exception:' line before it): crashed, with the fix of that error."""
+    tb = raised_by("sglang", "0.5.14", "sglang/srt/layers/flashinfer_comm_fusion.py", "_resolve_backend",
+                   lambda f: f("trtllm"), is_sm90_supported=lambda: False, is_sm100_supported=lambda: False)
+    text = sglang_settings("0.5.14", 2, True) + tb + "\n"
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", "0.5.14")
+    assert code == 1 and doc["verdict"] == "crashed" and doc["step"] == "server-gates", doc
+    assert doc["crash"]["exception"].endswith("requires SM90 or SM10X NVIDIA GPUs."), doc
+    # The same traceback in a run that got ready is not what ended it.
+    ready = text + sglang_line("0.5.14", "", "The server is fired up and ready to roll!")
+    code, doc = check(tmp_path, ready, "--server", "sglang", "--version", "0.5.14")
+    assert doc["verdict"] != "crashed", doc
+
+
+def sglang_echo(version: str, prompt: str) -> str:
+    """The record SGLang's --log-requests writes for a request with this prompt, its own f-string."""
+    return sglang_line(version, "", logged("sglang", version, "sglang/srt/utils/request_logger.py", "Receive: obj=",
+                                           _dataclass_to_string_truncated=lambda o, m, skip_names=None:
+                                           f"GenerateReqInput(text={o!r})", obj=prompt, max_length=2048,
+                                           skip_names=None, headers_str=""))
+
+
+def test_a_prompt_echoed_by_log_requests_never_changes_the_verdict(tmp_path):
+    version = "0.5.14"
+    fragment, names = FUSED[version]
+    settings = sglang_settings(version, 2, True)
+    fused = settings + "".join(sglang_line(version, f" TP{r}", logged(
+        "sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py", fragment, rank=r, world_size=2, **names))
+        for r in (0, 1)) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    crash = logged("sglang", version, "sglang/srt/managers/scheduler.py", "Scheduler hit an exception",
+                   traceback="ValueError: FlashInfer allreduce fusion requires SM90 or SM10X NVIDIA GPUs.")
+    code, doc = check(tmp_path, fused + sglang_echo(version, f"why does my log say {crash}"), "--server", "sglang",
+                      "--version", version)
+    assert code == 0 and doc["verdict"] == "fused", doc
+    off = sglang_settings(version, 8, False) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    quote = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py", fragment, rank=0, world_size=8,
+                   **names)
+    code, doc = check(tmp_path, off + sglang_echo(version, quote), "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "not-requested" and not doc["ranks"], doc
+    # vLLM's echo of a response that quotes the workspace line.
+    v = "0.33.0"
+    answer = logged("vllm", v, "vllm/entrypoints/serve/utils/request_logger.py", "Generated response %s%s: output: %r",
+                    request_id="cmpl-1", stream_info="", outputs=["Initialized FlashInfer Allreduce norm fusion "
+                                                                  "workspace with backend=trtllm"], finish_reason="stop")
+    text = vllm_settings(v, 2, False) + vllm_line(v, "APIServer", "request_logger.py", answer) + vllm_ready(v)
+    code, doc = check(tmp_path, text)
+    assert code == 1 and doc["verdict"] == "not-requested", doc
+
+
+def test_a_fell_back_line_that_caught_flashinfers_jit_gate_names_the_jit_gate(tmp_path):
+    """SGLang 0.5.14 with its pinned FlashInfer 0.6.12, only SGLang patched: its workspace code
+    catches the JIT gate's error and falls back; the fix is FlashInfer's jit-gate."""
+    version = "0.5.14"
+    error = flashinfer_unpatched_traceback().splitlines()[-1].split(": ", 1)[1]
+    line = logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                  "Disabling flashinfer allreduce fusion permanently.", backend="trtllm", e=error)
+    text = sglang_settings(version, 2, True) + sglang_line(version, " TP0", line)
+    for args in (("--version", version), ()):
+        code, doc = check(tmp_path, text, "--server", "sglang", *args)
+        assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == "kernel-gates", doc
+        assert "apply --flashinfer" in doc["fix"] and "unicast" not in doc["fix"], doc
+
+
+@pytest.mark.parametrize("cause, step, words", [
+    ("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 94.97 GiB", "workspace",
+     "--gpu-memory-utilization"),
+    ("Ninja build failed. Ninja output:", "jit", "sm120patch build"),
+    ("cuda-too-old", "jit", "CUDA 12.9 or newer"),
+])
+def test_vllm_names_the_cause_a_backend_gave_before_no_backend_made_the_workspace(tmp_path, cause, step, words):
+    if cause == "cuda-too-old":  # FlashInfer 0.6.12's own error for a CUDA toolkit too old for SM 12.x (120f)
+        cause = logged("flashinfer-python", "0.6.12", "flashinfer/compilation_context.py", "SM 12.x requires CUDA")
+    version = "0.33.0"
+    text = vllm_settings(version, 2, True)
+    for r in (0, 1):
+        text += vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                          logged("vllm", version, VLLM_FI, "Failed to initialize FlashInfer All Reduce workspace: %s.",
+                                 e=cause), "WARNING")
+        text += vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                          logged("vllm", version, VLLM_FI, "Failed to initialize FlashInfer Allreduce norm fusion "
+                                 "workspace ", backend="trtllm"), "ERROR")
+    code, doc = check(tmp_path, text + vllm_ready(version))
+    assert code == 1 and doc["verdict"] == "fell-back" and doc["step"] == step, doc
+    assert words in doc["fix"] and "unicast" not in doc["fix"], doc
+
+
+@pytest.mark.parametrize("setting, words", [("enforce_eager=True, ", "--enforce-eager"),
+                                            ("'mode': <CompilationMode.NONE: 0>, ", "-O0")])
+def test_vllm_without_compilation_runs_no_pass(tmp_path, setting, words):
+    version = "0.29.0"
+    settings = vllm_settings(version, 2, True)
+    if setting.startswith("enforce"):
+        settings = settings.replace("tensor_parallel_size=2, ", "tensor_parallel_size=2, " + setting)
+    else:
+        settings = settings.replace("{'pass_config'", "{" + setting + "'pass_config'")
+    code, doc = check(tmp_path, settings + vllm_ready(version))
+    assert code == 1 and doc["verdict"] == "not-requested" and words in doc["fix"], doc
+    assert "fusion-table" not in doc["fix"], doc
+
+
+def test_a_cuda_graph_capture_oom_is_the_graphs_not_the_workspaces(tmp_path):
+    version = "0.5.9"
+    relpath = "sglang/srt/model_executor/cuda_graph_runner.py"
+    message = logged("sglang", version, relpath, "Capture cuda graph failed: ",
+                     e="CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 94.97 GiB",
+                     CUDA_GRAPH_CAPTURE_FAILED_MSG="Possible solutions:")
+    namespace = {}
+    exec(compile(f"def capture():\n    raise Exception({message!r})\n", SITE + relpath, "exec"), namespace)  # noqa: S102
+    try:
+        namespace["capture"]()
+    except Exception:  # noqa: BLE001
+        tb = traceback.format_exc().rstrip("\n")
+    marker = logged("sglang", version, "sglang/srt/managers/scheduler.py", "Scheduler hit an exception", traceback=tb)
+    text = sglang_run(version, "fused").rsplit("\n", 2)[0] + "\n" + sglang_line(version, " TP1", marker)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 1 and doc["verdict"] == "crashed" and "--cuda-graph-max-bs" in doc["fix"], doc
+    assert "no memory left for FlashInfer's workspace" not in doc["fix"], doc
+
+
+@pytest.mark.parametrize("args", [(), ("--version", "0.29.0")])
+def test_vllm_029_workspace_lines_without_the_settings_line_give_no_verdict(tmp_path, args):
+    version = "0.29.0"
+    text = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                             logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                    backend="trtllm")) for r in (0, 1)) + vllm_ready(version)
+    code, doc = check(tmp_path, text, *args)
+    assert code == 5 and doc["verdict"] == "starting" and "settings line" in doc["summary"], doc
+
+
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_exit_0_means_fused_and_serving_and_follow_waits_for_ready(tmp_path, server):
+    version, run = RUNS[server]
+    args = ("--server", "sglang", "--version", version) if server == "sglang" else ()
+    whole = run(version, "fused")
+    ready_at = whole.rstrip("\n").rfind("\n") + 1
+    code, doc = check(tmp_path, whole[:ready_at], *args)
+    assert code == 5 and doc["verdict"] == "starting" and "not serving yet" in doc["summary"], doc
+    log = tmp_path / "server.log"
+
+    def ready():
+        time.sleep(2)
+        with log.open("a") as f:
+            f.write(whole[ready_at:])
+
+    writer = threading.Thread(target=ready)
+    writer.start()
+    result = run_cli("check-log", str(log), "--follow", "--timeout", "60", "--json", *args)
+    writer.join()
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and doc["verdict"] == "fused" and doc["final"], doc
+
+
+def test_sglang_0521_graph_capture_is_a_stage(tmp_path):
+    version = "0.5.21"
+    begin = logged("sglang", version, "sglang/srt/model_executor/model_runner_components/cuda_graph_setup.py",
+                   "CUDA graph begin. ", capture_name="target decode", prefill_backend="fa3",
+                   capture_num_tokens=[1, 2], before_mem=40.0)
+    text = sglang_settings(version, 2, True) + sglang_line(version, " TP0", begin)
+    code, doc = check(tmp_path, text, "--server", "sglang", "--version", version)
+    assert code == 5 and "capturing CUDA graphs" in doc["summary"], doc
+
+
+def vllm_logo(version: str) -> str:
+    """The API server's first lines from 0.33: log_version_and_model's logo, monochrome."""
+    source = wheel_text("vllm", version, "vllm/entrypoints/common/startup.py")
+    function = _function(source, "log_version_and_model")
+    template = next(n for n in ast.walk(function) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Template")
+    from string import Template
+    logo = Template(ast.literal_eval(template.args[0])).substitute(dict.fromkeys("wobr", "")) % (version, "m")
+    return vllm_line(version, "APIServer", "startup.py", logo)
+
+
+def test_vllm_033_logo_starts_a_run_and_names_the_release(tmp_path):
+    """From 0.33 the API server's first line is a logo: a start that got no further than it (killed
+    before its engine started) is a run of its own, and the logo names the release."""
+    version = "0.33.0"
+    first = vllm_logo(version)
+    code, doc = check(tmp_path, first + vllm_logo(version) + vllm_run(version, "fused"))
+    assert code == 0 and doc["verdict"] == "fused" and doc["version"] == version, doc
+    at = len(first.splitlines()) + next(i for i, line in enumerate(first.splitlines(), 1) if "version" in line)
+    assert (doc["run"], doc["runs"], doc["run_line"]) == (2, 2, at), doc  # the logo's version line
+    code, doc = check(tmp_path, first)
+    assert code == 5 and (doc["version"], doc["version_from"]) == (version, "the log"), doc
+
+
+def test_dp2_tp2_counts_four_ranks_and_notes_say_things_once(tmp_path):
+    version = "0.29.0"
+    settings = vllm_settings(version, 2, True).replace("tensor_parallel_size=2, ",
+                                                       "tensor_parallel_size=2, data_parallel_size=2, ")
+    workers = [f"Worker_DP{d}_TP{t}" for d in (0, 1) for t in (0, 1)]
+    fused = "".join(vllm_line(version, w, "flashinfer_all_reduce.py",
+                              logged("vllm", version, VLLM_FI, "Initialized FlashInfer Allreduce norm fusion workspace ",
+                                     backend="trtllm"), pid=5000 + i) for i, w in enumerate(workers))
+    code, doc = check(tmp_path, settings + fused + vllm_ready(version))
+    assert code == 0 and doc["expected_ranks"] == 4 and "(4 of 4)" in doc["summary"], doc
+    text = run_cli("check-log", str(tmp_path / "server.log")).output
+    assert "ranks (4 of 4 seen)" in text, text
+    # Plain allreduce workspaces on two processes: "2 processes"; an ambiguous line every rank
+    # printed: one note.
+    plain = vllm_run(version, "fused").replace("'fuse_allreduce_rms': True", "'custom_ops': ['none']")
+    code, doc = check(tmp_path, plain)
+    assert any("on 2 processes," in n for n in doc["notes"]), doc
+    warn = "".join(vllm_line(version, f"Worker_TP{r}", "flashinfer_all_reduce.py",
+                             logged("vllm", version, VLLM_FI, "This is expected on GPUs without NVSwitch",
+                                    e="[SymmDeviceMemory] Device does not support multicasting."), "WARNING")
+                   for r in (0, 1))
+    code, doc = check(tmp_path, warn)
+    assert len([n for n in doc["notes"] if n.startswith("not counted:")]) == 1, doc
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
+def test_vllm_logging_prefix_keeps_the_workers_apart(tmp_path, monkeypatch, version):
+    """VLLM_LOGGING_PREFIX comes first in the record format (the wheel's own): from 0.31 before the
+    process name, before that after the worker's prefix."""
+    monkeypatch.setattr(sys.modules[__name__], "VLLM_LOGGING_PREFIX", "[replica-a] ")
+    text = vllm_run(version, "fused")
+    assert "[replica-a] " in text
+    code, doc = check(tmp_path, text)
+    assert code == 0 and doc["verdict"] == "fused", doc
+    assert sorted(r["rank"] for r in doc["ranks"]) == ["Worker_TP0", "Worker_TP1"], doc
+
+
+def test_vllm_cuda_graph_capture_oom_is_the_graphs_not_the_workspaces(tmp_path):
+    """An out-of-memory raised under the model runner's capture_model (the name read from the
+    wheel) is the graphs' memory; the same error elsewhere stays the workspace's."""
+    version = "0.29.0"
+    relpath = "vllm/v1/worker/gpu_model_runner.py"
+    assert "def capture_model(" in wheel_text("vllm", version, relpath)
+    namespace = {}
+    exec(compile("class OutOfMemoryError(RuntimeError):\n    __module__ = 'torch'\n"  # torch's own name
+                 "def capture_model():\n    raise OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. "
+                 "GPU 1 has a total capacity of 94.97 GiB')\n", SITE + relpath, "exec"), namespace)  # noqa: S102
+    try:
+        namespace["capture_model"]()
+    except RuntimeError:
+        tb = traceback.format_exc().rstrip("\n")
+    failed = logged("vllm", version, "vllm/v1/executor/multiproc_executor.py", "WorkerProc failed to start.")
+    text = vllm_run(version, "fused").rsplit("\n", 2)[0] + "\n"
+    code, doc = check(tmp_path, text + vllm_line(version, "Worker_TP1", "multiproc_executor.py", failed + "\n" + tb,
+                                                "ERROR"))
+    assert code == 1 and doc["verdict"] == "crashed" and "CUDA graph capture" in doc["fix"], doc
+    elsewhere = tb.replace("in capture_model", "in load_model")
+    code, doc = check(tmp_path, text + vllm_line(version, "Worker_TP1", "multiproc_executor.py",
+                                                failed + "\n" + elsewhere, "ERROR"))
+    assert code == 1 and "FlashInfer's workspace" in doc["fix"], doc
+
+
+def test_new_run_in_a_fleet_waits_for_each_replicas_restart(tmp_path):
+    """--new-run on a stream of two replicas: each replica's verdict is that of its run that began
+    after check-log started."""
+    version = "0.5.9"
+    log = tmp_path / "fleet.log"
+    log.write_text(interleaved(pod("srv-a", sglang_run(version, "fused")), pod("srv-b", sglang_run(version, "fused"))))
+
+    def restart():
+        time.sleep(1.5)
+        with log.open("a") as f:
+            f.write(interleaved(pod("srv-a", sglang_run(version, "fused")),
+                                pod("srv-b", sglang_run(version, "fell-back"))))
+
+    writer = threading.Thread(target=restart)
+    writer.start()
+    result = run_cli("check-log", str(log), "--new-run", "--timeout", "60", "--json", "--server", "sglang",
+                     "--version", version)
+    writer.join()
+    doc = json.loads(result.output)
+    assert result.exit_code == 1 and doc["replica"] == "pod/srv-b/server" and not doc["timed_out"], doc
+    assert [(r["verdict"], r["run"], r["runs"]) for r in doc["replicas"]] == [("fused", 2, 2), ("fell-back", 2, 2)]
+
+
+def test_sglang_dp_ranks_are_counted_and_dp_attention_does_not_double_them(tmp_path):
+    version = "0.5.9"
+    fragment, names = FUSED[version]
+    scopes = [f" DP{d} TP{t}" for d in (0, 1) for t in (0, 1)]
+    fused = "".join(sglang_line(version, scope, logged("sglang", version, "sglang/srt/layers/flashinfer_comm_fusion.py",
+                                                      fragment, rank=i % 2, world_size=2, **names))
+                    for i, scope in enumerate(scopes)) + sglang_line(version, "", "The server is fired up and ready to roll!")
+    settings = sglang_settings(version, 2, True).replace("tp_size=2, ", "tp_size=2, dp_size=2, ")
+    code, doc = check(tmp_path, settings + fused, "--server", "sglang", "--version", version)
+    assert code == 0 and doc["expected_ranks"] == 4 and "(4 of 4)" in doc["summary"], doc
+    attention = sglang_settings(version, 4, True).replace(
+        "tp_size=4, ", "tp_size=4, dp_size=2, ").replace(")", ", enable_dp_attention=True)")
+    code, doc = check(tmp_path, attention + fused, "--server", "sglang", "--version", version)
+    assert doc["expected_ranks"] == 4 and doc["verdict"] == "not-requested", doc

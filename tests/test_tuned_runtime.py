@@ -142,13 +142,12 @@ def test_status_reads_the_profile_where_the_server_does_and_checks_what_it_can(t
     assert tunedlimits.read(HERE, environ).problem.startswith("made on another box")
 
 
-def test_decisions_follow_the_entry_and_fall_back_to_the_release(monkeypatch):
-    """The SGLang decisions as the inserted code makes them, the profile's entry given."""
+def test_the_oneshot_choice_follows_the_entry_and_falls_back_to_flashinfer(monkeypatch):
+    """The SGLang fused call's one-shot choice as the inserted code makes it, the profile's entry
+    given (this process's GPU answered as SM120)."""
     limits = entry(fused_max_bytes=64 * 4096 * 2, oneshot_max_bytes=16 * 4096 * 2)
+    monkeypatch.setattr(rt, "_SM120PATCH_DEVICE", {"sm120": True})
     monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {4: limits, 2: None})
-    assert rt._sm120patch_fused_max_tokens(2048, 4) == 64
-    assert rt._sm120patch_fused_max_tokens(2048, 2) == 2048  # no profile for TP2: the release's cap
-    assert rt._sm120patch_fused_max_tokens(32, 4) == 32  # never past the release's own cap
     assert rt._sm120patch_use_oneshot(None, 16, 16 * 4096 * 2, 4) is True
     assert rt._sm120patch_use_oneshot(None, 17, 17 * 4096 * 2, 4) is False
     assert rt._sm120patch_use_oneshot(None, 4, 10 ** 9, 4) is True  # two-shot needs more tokens than ranks
@@ -158,19 +157,88 @@ def test_decisions_follow_the_entry_and_fall_back_to_the_release(monkeypatch):
     monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {8: entry(fused_max_bytes=64 << 20, oneshot_max_bytes=32 << 20)})
     assert rt._sm120patch_use_oneshot(None, 512, 3 << 20, 8) is False  # 3 MiB x 2 x 8 > 42 MiB
     assert rt._sm120patch_use_oneshot(None, 256, 2 << 20, 8) is True
+    # Another GPU: FlashInfer's rule, whatever the profile says, and the profile is not asked.
+    monkeypatch.setattr(rt, "_SM120PATCH_DEVICE", {"sm120": False})
+    assert rt._sm120patch_use_oneshot(None, 16, 16 * 4096 * 2, 8) is None
 
 
-def test_vllm_rows_take_each_tp_size_the_profile_holds_for(monkeypatch, tmp_path):
+def tables() -> tuple[dict, dict]:
+    """vLLM's two fusion tables as `fusion-table` leaves them: a 120 row copied from SM90's."""
+    return ({90: {2: 64, 4: 2, 8: 0.5}, 120: {2: 64, 4: 2, 8: 0.5}},
+            {90: {2: 32, 4: 2, 8: 0.5}, 120: {2: 32, 4: 2, 8: 0.5}})
+
+
+def narrowed(monkeypatch, caplog, fused: dict, oneshot: dict) -> list[str]:
+    """The inserted vLLM code run on ``fused`` and ``oneshot`` as at import, in a fresh process's
+    state; the lines it logged."""
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {})
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        rt._sm120patch_tuned_rows(fused, oneshot)
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("sm120patch")]
+
+
+def test_vllm_rows_only_narrow_at_each_tp_size_the_profile_holds_for(monkeypatch, tmp_path, caplog):
     path = tmp_path / "tuned-limits.json"
     monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
-    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {})
     path.write_text(json.dumps(profile(rt._sm120patch_box(), **{"4": entry(software={})})))
-    row = {2: 64, 4: 2, 8: 0.5}
-    assert rt._sm120patch_tuned_row("fused", row) == {2: 64, 4: 1.0, 8: 0.5}
-    assert rt._sm120patch_tuned_row("oneshot", row) == {2: 64, 4: 0.125, 8: 0.5}
-    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {})
-    path.write_text("{")
-    assert rt._sm120patch_tuned_row("fused", row) == row
+    fused, oneshot = tables()
+    [line] = narrowed(monkeypatch, caplog, fused, oneshot)
+    assert fused[120] == {2: 64, 4: 1.0, 8: 0.5} and oneshot[120] == {2: 32, 4: 0.125, 8: 0.5}
+    assert fused[90] == {2: 64, 4: 2, 8: 0.5}  # SM90's own row untouched
+    # One line, saying where it is in force and where not, and why.
+    assert line.startswith("sm120patch tuned limits in force at TP4: fused up to 1048576 bytes, one-shot up to 131072 "
+                           f"bytes (profile {path}, tuned 2026-12-05T01:30:00Z); not in force at TP2 (no limits for TP2 "
+                           "(tuned: TP4)), TP8 (no limits for TP8 (tuned: TP4))"), line
+    # Never widened: a profile that measured fusion winning past the row keeps the row.
+    path.write_text(json.dumps(profile(rt._sm120patch_box(), **{"4": entry(software={}, fused_max_bytes=64 << 20,
+                                                                              oneshot_max_bytes=8 << 20)})))
+    fused, oneshot = tables()
+    narrowed(monkeypatch, caplog, fused, oneshot)
+    assert fused[120][4] == 2 and oneshot[120][4] == 2
+    # No profile, a corrupt one: the rows as fusion-table made them, one line saying why.
+    for content in (None, "{"):
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        fused, oneshot = tables()
+        [line] = narrowed(monkeypatch, caplog, fused, oneshot)
+        assert (fused, oneshot) == tables() and line.startswith("sm120patch tuned limits not used ("), line
+
+
+def test_vllm_never_fused_profile_leaves_the_pass_off_at_that_tp_size(monkeypatch, tmp_path, caplog):
+    """A 0/0 entry (fusion never won): the TP size leaves the fused row, so vLLM's pass stays off
+    there (no row of 0 MB, whose compile range would be empty), and the line says so."""
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    path.write_text(json.dumps(profile(rt._sm120patch_box(), **{"4": entry(software={}, fused_max_bytes=0,
+                                                                              oneshot_max_bytes=0)})))
+    fused, oneshot = tables()
+    [line] = narrowed(monkeypatch, caplog, fused, oneshot)
+    assert fused[120] == {2: 64, 8: 0.5}
+    assert "in force at TP4: fusion never won on this box, the fusion pass stays off" in line
+
+
+def test_vllm_without_an_sm120_row_nothing_is_narrowed(monkeypatch, tmp_path, caplog):
+    """`--with tuned-limits` alone on vLLM 0.29+: no 120 row, so the server is the plain `apply`'s,
+    whatever the profile says; the line says why."""
+    path = tmp_path / "tuned-limits.json"
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(path))
+    path.write_text(json.dumps(profile(rt._sm120patch_box(), **{"4": entry(software={})})))
+    fused, oneshot = ({90: {2: 64, 4: 2, 8: 0.5}}, {90: {2: 32, 4: 2, 8: 0.5}})
+    [line] = narrowed(monkeypatch, caplog, fused, oneshot)
+    assert (fused, oneshot) == ({90: {2: 64, 4: 2, 8: 0.5}}, {90: {2: 32, 4: 2, 8: 0.5}})
+    assert "vLLM has no SM120 fusion row to narrow" in line and "--with fusion-table" in line
+
+
+def test_vllm_oneshot_floor_keeps_batches_of_no_more_tokens_than_ranks_one_shot(monkeypatch):
+    """FlashInfer's two-shot asserts more tokens than ranks: where the profile narrowed a TP size,
+    vLLM's choice of two-shot at 1..TP tokens becomes one-shot; elsewhere its choice stands."""
+    monkeypatch.setattr(rt, "_SM120PATCH_SEEN", {"vllm": {4: entry()}})
+    assert [rt._sm120patch_oneshot_floor(False, n, 4, 120) for n in (1, 2, 3, 4, 5)] == [True] * 4 + [False]
+    assert rt._sm120patch_oneshot_floor(None, 1, 4, 120) is None  # MNNVL: FlashInfer's own choice
+    assert rt._sm120patch_oneshot_floor(False, 1, 8, 120) is False  # TP8 not narrowed: vLLM's row decides
+    assert rt._sm120patch_oneshot_floor(False, 1, 4, 90) is False  # another GPU
 
 
 def set_text(tmp_path: Path, patches: str) -> Path:
@@ -225,3 +293,103 @@ def test_an_unexpected_shape_is_a_reason_never_an_exception(tmp_path, monkeypatc
     path.write_text(json.dumps(odd))
     entry_, why = rt._sm120patch_decide(4, False)
     assert entry_ is None and why
+
+
+def trusted_profile(tmp_path: Path) -> Path:
+    """A valid profile in a directory only its owner (this user) may write."""
+    where = tmp_path / "etc"
+    where.mkdir(mode=0o755)
+    path = where / "tuned-limits.json"
+    path.write_text(json.dumps(profile(BOX)))
+    path.chmod(0o644)
+    return path
+
+
+def test_a_profile_others_may_write_is_refused(tmp_path):
+    """A root-run server's profile decides what runs on its GPUs: like sshd's StrictModes, the
+    reader refuses a file, or a directory above it, that anyone but root and the server's own
+    user may write, and says which."""
+    import os
+
+    path = trusted_profile(tmp_path)
+    tmp_path.chmod(0o755)
+    assert rt._sm120patch_load(str(path)) == (profile(BOX), "")
+    path.chmod(0o666)
+    document, why = rt._sm120patch_load(str(path))
+    assert document is None and why == f"not trusted: {path} can be written by others than root and this server's user (owner uid {os.geteuid()}, mode 666)"
+    path.chmod(0o644)
+    path.parent.chmod(0o777)
+    document, why = rt._sm120patch_load(str(path))
+    assert document is None and why.startswith(f"not trusted: its directory {path.parent} can be written by others")
+    path.parent.chmod(0o1777)  # sticky, as /tmp: no one else can rename what this user owns there
+    assert rt._sm120patch_load(str(path))[0] == profile(BOX)
+    path.parent.chmod(0o755)
+    if os.geteuid() == 0:  # a file another user owns (root can give it away)
+        os.chown(path, 12345, -1)
+        document, why = rt._sm120patch_load(str(path))
+        assert document is None and "(owner uid 12345, mode 644)" in why
+        os.chown(path, 0, -1)
+        os.chown(path.parent, 12345, -1)
+        document, why = rt._sm120patch_load(str(path))
+        assert document is None and f"its directory {path.parent}" in why and "owner uid 12345" in why
+        os.chown(path.parent, 0, -1)
+    # Through a symlink: the directories of the file it names are checked too.
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    loose.chmod(0o777)
+    (loose / "real.json").write_text(json.dumps(profile(BOX)))
+    (loose / "real.json").chmod(0o644)
+    link = path.parent / "linked.json"
+    link.symlink_to(loose / "real.json")
+    document, why = rt._sm120patch_load(str(link))
+    assert document is None and f"its directory {loose}" in why
+
+
+def test_a_relative_profile_path_is_refused(tmp_path, monkeypatch):
+    """A relative SM120PATCH_TUNED_LIMITS would resolve against the server's working directory."""
+    path = trusted_profile(tmp_path)
+    monkeypatch.chdir(path.parent)
+    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", path.name)
+    assert rt._sm120patch_decide(4, False) == (
+        None, "SM120PATCH_TUNED_LIMITS is a relative path (tuned-limits.json): give the profile's absolute path")
+
+
+def test_a_fifo_renamed_over_the_profile_never_blocks_the_reader(tmp_path):
+    """The reader opens without blocking and checks what it opened, not a stat of the name and
+    then an open by name: a FIFO renamed over the profile between the two blocked the server for
+    good. Here the FIFO is renamed over the profile at the moment the reader opens it (Python's
+    audit event for an open, raised before the call), in a process of its own: the read ends at
+    once and says what is there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    where = tmp_path / "etc"
+    where.mkdir(mode=0o755)
+    tmp_path.chmod(0o755)
+    path = where / "tuned-limits.json"
+    path.write_text(json.dumps(profile(BOX)))
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(rt.__file__).parent.parent)!r})
+        from sm120patch import _tuned_runtime as rt
+        path = {str(path)!r}
+        def swap(event, args):
+            if event == "open" and args and args[0] == path and not os.path.exists(path + ".fifo"):
+                os.mkfifo(path + ".fifo", 0o644)
+                os.rename(path + ".fifo", path)
+                os.mkfifo(path + ".fifo", 0o644)  # once only
+        sys.addaudithook(swap)
+        print(rt._sm120patch_load(path))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == repr((None, f"cannot read {path} (not a regular file)"))
+
+
+def test_a_profile_nested_past_the_parsers_depth_is_a_reason(tmp_path):
+    path = trusted_profile(tmp_path)
+    tmp_path.chmod(0o755)
+    path.write_text("[" * 100000 + "]" * 100000)
+    document, why = rt._sm120patch_load(str(path))
+    assert document is None and why == f"cannot read {path} (RecursionError)"

@@ -4,7 +4,9 @@
 # the limits upstream tuned on NVLink B200s. A profile never stops the server: without one, or with
 # one that is unreadable, malformed, made on another box, for other releases or another TP size, the
 # server decides exactly as it does with sm120patch's other patches, and says why in one log line.
-# Standard library only, imported inside the functions; Python 3.8 syntax.
+# Standard library only, imported inside the functions; Python 3.8 syntax. Nothing here raises into
+# the server, and what runs on every forward is a dict look-up: the decision is made once per
+# process and kept.
 
 _SM120PATCH_PROFILE_FORMAT = 1
 _SM120PATCH_PROFILE_DEFAULT = "/etc/sm120patch/tuned-limits.json"
@@ -17,6 +19,8 @@ _SM120PATCH_ITEMSIZE = {"bf16": 2, "fp16": 2}
 # while tokens * hidden * 2 * world * itemsize is at most this many MiB.
 _SM120PATCH_ONESHOT_RULE_MIB = {2: 512, 4: 64, 8: 42}
 _SM120PATCH_SEEN = {}  # TP size (SGLang) or "vllm" -> the limits in force, or None: decided once per process
+_SM120PATCH_DEVICE = {}  # "sm120" -> whether this process's GPU is one, asked once
+_SM120PATCH_TOKENS = {}  # SGLang: the release's cap -> the cap in force in this process (decided at first use)
 
 
 def _sm120patch_profile_path():
@@ -138,31 +142,79 @@ def _sm120patch_judge(document, world_size, box, nccl_env, versions):
     return entry, ""
 
 
+def _sm120patch_untrusted(path, st):
+    """'' when the file ``path`` (its status ``st``) and every directory above it can be written by
+    no one but root and this process's user, else which one can (sshd's StrictModes rule: a
+    profile a root-run server reads decides what runs on its GPUs). A directory others may write
+    is accepted only with the sticky bit (/tmp): there no one else can rename what we own."""
+    import os
+    import stat
+
+    trusted = (0, os.geteuid())
+    if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "%s can be written by others than root and this server's user (owner uid %d, mode %o)" % (
+            path, st.st_uid, stat.S_IMODE(st.st_mode))
+    seen = set()
+    for start in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
+        where = start
+        while where not in seen:
+            seen.add(where)
+            up = os.stat(where)
+            loose = up.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not up.st_mode & stat.S_ISVTX
+            if up.st_uid not in trusted or loose:
+                return "its directory %s can be written by others than root and this server's user (owner uid %d, mode %o)" % (
+                    where, up.st_uid, stat.S_IMODE(up.st_mode))
+            where = os.path.dirname(where)
+    return ""
+
+
 def _sm120patch_load(path):
-    """(document, '') or (None, why it cannot be read)."""
+    """(document, '') or (None, why it cannot be read or is not to be trusted)."""
     import json
     import os
     import stat
 
+    if not os.path.isabs(path):  # it would resolve against the server's working directory
+        return None, "SM120PATCH_TUNED_LIMITS is a relative path (%s): give the profile's absolute path" % path
     try:
-        # A FIFO or a device there would block or never end: only a regular file is read.
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return None, "cannot read %s (not a regular file)" % path
-        with open(path, "rb") as handle:
-            return json.loads(handle.read(1 << 22).decode("utf-8")), ""
+        # Non-blocking, then fstat on what was opened: a FIFO put there (or renamed over the
+        # file between a check and an open) opens at once and is refused unread.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         return None, "no profile at %s" % path
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return None, "cannot read %s (%s)" % (path, exc.__class__.__name__)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "cannot read %s (not a regular file)" % path
+        untrusted = _sm120patch_untrusted(path, st)
+        if untrusted:
+            return None, "not trusted: " + untrusted
+        chunks, left = [], 1 << 22
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return json.loads(b"".join(chunks).decode("utf-8")), ""
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
+        return None, "cannot read %s (%s)" % (path, exc.__class__.__name__)
+    finally:
+        os.close(fd)
 
 
 def _sm120patch_is_sm120():
-    try:
-        import torch
+    """Whether this process's GPU is an SM120 one (asked of torch once, then kept)."""
+    if "sm120" not in _SM120PATCH_DEVICE:
+        try:
+            import torch
 
-        return torch.cuda.get_device_capability()[0] == 12
-    except Exception:  # noqa: BLE001 - no CUDA here: no tuned limits
-        return False
+            _SM120PATCH_DEVICE["sm120"] = torch.cuda.get_device_capability()[0] == 12
+        except Exception:  # noqa: BLE001 - no CUDA here: no tuned limits
+            _SM120PATCH_DEVICE["sm120"] = False
+    return _SM120PATCH_DEVICE["sm120"]
 
 
 def _sm120patch_decide(world_size, check_device):
@@ -206,52 +258,126 @@ def _sm120patch_tuned_limits(world_size):
     return _SM120PATCH_SEEN[world_size]
 
 
-def _sm120patch_sglang_tp_size():
-    """SGLang's tensor-parallel size (its fusion runs on the TP group; with DP attention it never fuses)."""
-    from sglang.srt.distributed import get_tensor_model_parallel_world_size
+def _sm120patch_fused_max_tokens(release_max):
+    """SGLang's fusion predicate: the largest batch (tokens) to fuse. On SM120, with a profile that
+    holds for this server's TP size, the profile's fused limit in tokens of the served model's
+    hidden size (``_sm120patch_sglang_served``, which each release's patch defines as that
+    release reads it), never past the release's cap; else the release's cap. Decided at the first
+    call (the server is set up by its first forward) and kept: every later call is a look-up."""
+    limit = _SM120PATCH_TOKENS.get(release_max)
+    if limit is None:
+        limit = _SM120PATCH_TOKENS[release_max] = _sm120patch_first_cap(release_max)
+    return limit
 
-    return get_tensor_model_parallel_world_size()
 
+def _sm120patch_first_cap(release_max):
+    """``_sm120patch_fused_max_tokens``'s decision, made once. Never raises: whatever goes wrong, the
+    release's cap holds and the one log line says why."""
+    import logging
 
-def _sm120patch_fused_max_tokens(release_max, world_size):
-    """SGLang: the largest batch (tokens) to fuse: the release's cap, or the profile's fused limit
-    at the hidden size and dtype it was tuned for, whichever is smaller."""
-    entry = _sm120patch_tuned_limits(world_size)
-    if entry is None:
+    try:
+        if not _sm120patch_is_sm120():  # another GPU: not ours to tune, and nothing to say
+            return release_max
+        fusing, world_size, hidden = _sm120patch_sglang_served()
+        if not fusing:  # the server fuses nothing: no profile is read, no line is logged
+            return release_max
+        entry = _sm120patch_tuned_limits(world_size)
+        if entry is None:
+            return release_max
+        if not (isinstance(hidden, int) and hidden > 0):
+            raise ValueError("the served model's hidden size is not known (%r)" % (hidden,))
+        return min(release_max, entry["fused_max_bytes"] // (hidden * _SM120PATCH_ITEMSIZE[entry["dtype"]]))
+    except Exception as exc:  # noqa: BLE001 - a profile never stops the server
+        # Stand down for the whole process, the fused call's one-shot choice too, so that the one
+        # line logged stays true: the release decides everything.
+        _SM120PATCH_DEVICE["sm120"] = False
+        logging.getLogger(__name__).info(_sm120patch_said(
+            None, "the profile could not be applied (%s: %s)" % (exc.__class__.__name__, exc), 0))
         return release_max
-    return min(release_max, entry["fused_max_bytes"] // (entry["hidden"] * _SM120PATCH_ITEMSIZE[entry["dtype"]]))
 
 
 def _sm120patch_use_oneshot(use_oneshot, token_num, message_bytes, world_size):
-    """SGLang: the fused call's one-shot choice. A caller's explicit choice stands; else the
-    profile's one-shot limit (two-shot needs more tokens than ranks); else None, FlashInfer's rule."""
-    if use_oneshot is not None:
+    """SGLang: the fused call's one-shot choice. A caller's explicit choice stands; on SM120 with a
+    profile that holds, the profile's one-shot limit on the real message (two-shot needs more
+    tokens than ranks: FlashInfer asserts otherwise); else None, FlashInfer's rule."""
+    if use_oneshot is not None or not _sm120patch_is_sm120():
         return use_oneshot
-    entry = _sm120patch_tuned_limits(world_size)
-    if entry is None or world_size not in _SM120PATCH_ONESHOT_RULE_MIB:
+    try:
+        entry = _sm120patch_tuned_limits(world_size)
+        if entry is None or world_size not in _SM120PATCH_ONESHOT_RULE_MIB:
+            return None
+        # Never one-shot where FlashInfer's own rule would not: the workspace is sized by that rule.
+        rule = message_bytes * 2 * world_size <= _SM120PATCH_ONESHOT_RULE_MIB[world_size] * 1024 * 1024
+        return (message_bytes <= entry["oneshot_max_bytes"] and rule) or token_num <= world_size
+    except Exception:  # noqa: BLE001 - a profile never stops the server: FlashInfer's rule decides
         return None
-    # Never one-shot where FlashInfer's own rule would not: the workspace is sized by that rule.
-    rule = message_bytes * 2 * world_size <= _SM120PATCH_ONESHOT_RULE_MIB[world_size] * 1024 * 1024
-    return (message_bytes <= entry["oneshot_max_bytes"] and rule) or token_num <= world_size
 
 
-def _sm120patch_tuned_row(kind, row):
-    """vLLM: its SM120 row of max sizes in MB per world size (``kind``: "fused" or "oneshot"), each
-    TP size the profile holds for replaced by the profile's limit. Logs one line per process."""
-    if "vllm" not in _SM120PATCH_SEEN:
-        import logging
+def _sm120patch_tuned_rows(fused_table, oneshot_table):
+    """vLLM, at import: narrow the SM120 rows of its two fusion tables (max sizes in MB per world
+    size) in place to what the profile measured on this box, TP size by TP size: each only ever
+    shrinks, and a TP size where fusion never won (a fused limit of 0) leaves the fused row, so
+    the pass stays off there. Without an SM120 row (no ``fusion-table``) there is nothing to
+    narrow; without a profile that holds the rows stay as the other patches made them. One log
+    line per process, naming the TP sizes it is in force at and why not at the others."""
+    import logging
 
-        decided = {tp: _sm120patch_decide(tp, False) for tp in sorted(row)}
-        used = {tp: entry for tp, (entry, _) in decided.items() if entry is not None}
-        _SM120PATCH_SEEN["vllm"] = used
-        if used:
-            lines = [_sm120patch_said(entry, "", tp) for tp, entry in sorted(used.items())]
+    if "vllm" in _SM120PATCH_SEEN:
+        return
+    _SM120PATCH_SEEN["vllm"] = {}
+    try:
+        line = _sm120patch_narrow(fused_table, oneshot_table)
+    except Exception as exc:  # noqa: BLE001 - a profile never stops the server
+        line = _sm120patch_said(None, "the profile could not be applied (%s: %s)" % (exc.__class__.__name__, exc), 0)
+    logging.getLogger(__name__).info(line)
+
+
+def _sm120patch_narrow(fused_table, oneshot_table):
+    """``_sm120patch_tuned_rows``'s work; its one log line. The tables change only when all is judged."""
+    fused, oneshot = fused_table.get(120), oneshot_table.get(120)
+    if not isinstance(fused, dict) or not fused:
+        return _sm120patch_said(None, "vLLM has no SM120 fusion row to narrow (`sm120patch apply --with fusion-table` "
+                                      "adds one); the fusion pass stays off on SM120", 0)
+    decided = {tp: _sm120patch_decide(tp, False) for tp in sorted(fused)}
+    used = {tp: entry for tp, (entry, _) in decided.items() if entry is not None}
+    if not used:
+        return _sm120patch_said(None, "; ".join(sorted({why for _, why in decided.values()})), 0)
+    mib = 1024.0 * 1024.0
+    parts, new_fused, new_oneshot = [], {}, {}
+    for tp, entry in sorted(used.items()):
+        limit = min(fused[tp], entry["fused_max_bytes"] / mib)
+        if limit <= 0:  # vLLM then leaves the pass off at this TP size (and says it is not supported)
+            new_fused[tp] = None
+            parts.append("at TP%d: fusion never won on this box, the fusion pass stays off" % tp)
+            continue
+        new_fused[tp] = limit
+        one = limit
+        if isinstance(oneshot, dict):
+            one = new_oneshot[tp] = min(oneshot.get(tp, limit), entry["oneshot_max_bytes"] / mib, limit)
+        parts.append("at TP%d: fused up to %d bytes, one-shot up to %d bytes" % (tp, int(limit * mib), int(one * mib)))
+    # Everything judged and computed: only now do vLLM's tables change.
+    for tp, limit in new_fused.items():
+        if limit is None:
+            del fused[tp]
         else:
-            reasons = sorted({why for _, why in decided.values()})
-            lines = [_sm120patch_said(None, "; ".join(reasons), 0)]
-        for line in lines:
-            logging.getLogger(__name__).info(line)
-    limits = dict(row)
-    for tp, entry in _SM120PATCH_SEEN["vllm"].items():
-        limits[tp] = entry["fused_max_bytes" if kind == "fused" else "oneshot_max_bytes"] / (1024.0 * 1024.0)
-    return limits
+            fused[tp] = limit
+    if new_oneshot:
+        oneshot.update(new_oneshot)
+    _SM120PATCH_SEEN["vllm"] = used
+    entry = next(iter(used.values()))
+    line = "sm120patch tuned limits in force %s (profile %s, tuned %s)" % (
+        "; ".join(parts), _sm120patch_profile_path(), entry.get("created", "at an unknown time"))
+    others = ["TP%d (%s)" % (tp, why) for tp, (found, why) in sorted(decided.items()) if found is None]
+    if others:
+        line += "; not in force at " + ", ".join(others) + ": there the rows stay as they were"
+    return line
+
+
+def _sm120patch_oneshot_floor(use_oneshot, token_num, world_size, capability):
+    """vLLM's fused call: its one-shot choice, except that on SM120 at a TP size the profile narrowed
+    a batch of no more tokens than ranks is one-shot (FlashInfer's two-shot asserts more tokens
+    than ranks; a tuned one-shot limit below TP x hidden x itemsize bytes would ask for it)."""
+    narrowed = _SM120PATCH_SEEN.get("vllm", {})
+    if use_oneshot is False and capability == 120 and token_num <= world_size and world_size in narrowed:
+        return True
+    return use_oneshot

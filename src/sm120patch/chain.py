@@ -433,6 +433,11 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
         unchecked = sorted({n for e in profile.entries for n in e.unchecked})
         if unchecked:
             text += f" (the server also checks {', '.join(unchecked)} and its NCCL settings against the profile)"
+        else:  # the releases are the target's own: only the server's environment is out of sight
+            settings = sorted({" ".join(f"{k}={v}" for k, v in sorted(e.nccl_env.items())) or "none"
+                               for e in profile.entries})
+            text += (" (the server also checks its own NCCL settings, which status cannot see, against the "
+                     f"profile's: {'; '.join(settings)})")
         return Step("tp", StepResult.OK, text)
     why = (profile.problem or "; ".join(profile.others) or "no TP size") if profile is not None else "not read"
     if applied:

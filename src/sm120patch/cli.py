@@ -618,7 +618,8 @@ def _world_size(value):
 @click.option("--check-only", is_flag=True, help="Check every shape against the reference; skip the timing.")
 @click.option("--tune", is_flag=True,
               help="Measure where fusion wins at this TP size (one-shot, two-shot, NCCL + norm, each checked, then "
-                   "timed in repetitions) and write the limits into the profile the patched servers read.")
+                   "timed in repetitions; then sizes between two of --tokens until each limit is within 10 % of its "
+                   "crossover) and write the limits into the profile the patched servers read.")
 @click.option("--model", metavar="PATH", default=None,
               help="--tune: the model's config.json, or its directory (its hidden_size and torch_dtype), instead "
                    "of --hidden.")
@@ -684,7 +685,8 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
                             "sm120patch check-log /var/log/vllm.log --follow --timeout 900 --json",
                             "sm120patch check-log /var/log/sglang.log --new-run --timeout 900 & systemctl restart sglang; wait $!",
                             "journalctl -u sglang -o cat | sm120patch check-log - --server sglang"],
-                           [(0, "fused: FlashInfer's workspace was created on every rank (the newest run of the log)"),
+                           [(0, "fused and serving: FlashInfer's workspace on every rank and the ready line (the newest "
+                                "run of the log; several replicas: of every one)"),
                             (1, "fell back to unfused allreduce, not requested, crashed or died outside Python (it "
                                 "says which, the chain step and the fix)"),
                             (2, "bad input: an option, a missing file (without --follow), a --python without the server, "
@@ -692,7 +694,8 @@ def bench(ctx, python, tp, tokens, hidden, dtype, strategy, check_only, tune, mo
                                 "server than --server"),
                             (3, "unknown release: sm120patch has not mapped that release's log lines (it shows what it saw)"),
                             (4, "the log could not be read"),
-                            (5, "no verdict yet: still starting (with --follow, or on a pipe: the timeout passed first)"),
+                            (5, "no verdict yet: still starting, or fused but not serving yet (with --follow, or on a "
+                                "pipe: the timeout passed first)"),
                             INTERRUPTED_READING]))
 @click.argument("log", metavar="FILE|-")
 @click.option("--server", type=click.Choice(["sglang", "vllm"]), default=None,

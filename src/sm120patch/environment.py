@@ -35,7 +35,10 @@ PROBE_TIMEOUT_S = 60
 MINIMUM_PYTHON = (3, 8)
 # Distributions sm120patch reports on without patching them, and the RECORD rows it wants.
 FLASHINFER_JIT_CACHE = "flashinfer-jit-cache"
-COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {}}
+COMPANIONS = {FLASHINFER_JIT_CACHE: {"suffixes": ["/trtllm_comm/trtllm_comm.so"]}, "flashinfer-cubin": {},
+              # Only its release (status compares it with a tuned-limits profile's, as the server
+              # does): its RECORD, thousands of rows, is never read.
+              "torch": {"record": False}}
 
 
 def version_or_none(raw: str) -> Version | None:
@@ -397,7 +400,9 @@ def _ledger_files(site_dir: Path, dist_info: Path) -> tuple[str, ...]:
 
 def _from_probe(name: str, raw: Mapping, wanted: Mapping) -> InstalledDistribution:
     record_error = None
-    if "record_text" in raw:  # found by importlib.metadata in the target (a zip, an egg)
+    if wanted.get("record") is False:  # only its release is wanted
+        data = None
+    elif "record_text" in raw:  # found by importlib.metadata in the target (a zip, an egg)
         data = raw["record_text"].encode("utf-8", "surrogateescape") if raw["record_text"] is not None else None
     else:
         try:

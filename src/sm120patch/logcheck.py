@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
+from dataclasses import replace
 from typing import Callable, NamedTuple
 
 from packaging.version import InvalidVersion, Version
@@ -23,8 +25,8 @@ from sm120patch.distributions import load_registry
 from sm120patch.errors import Sm120PatchError, TransactionError, UsageError
 from sm120patch.invocation import command
 from sm120patch.logdata import LogData, LogLine, load_logs, parse_logs
-from sm120patch.logruns import MAIN, Runs
-from sm120patch.logsource import open_lines
+from sm120patch.logruns import MAIN, TRACEBACK as TRACEBACK_LINE, Runs
+from sm120patch.logsource import Unwrap, open_lines
 from sm120patch.reports import (CRASHED, FELL_BACK, FUSED, NOT_REQUESTED, STARTING, UNKNOWN_RELEASE, Crash,
                                 LogCheckReport, RankVerdict)
 from sm120patch.words import counted, spec_words
@@ -50,6 +52,7 @@ class Analysis:
         self.version_from = version_from
         self.runs: Runs | None = None
         self.lines = 0
+        self.at = 0  # the line number in the stream (a fleet's stream holds other replicas' lines too)
         self.changed = False  # an event since the verdict was last made
         self.ambiguous: list[str] = []  # lines whose meaning depends on a release not known
 
@@ -72,8 +75,9 @@ class Analysis:
         logs = self.logs
         self.runs = Runs(logs, [row for row in logs.lines if row.kind == "signature"])
 
-    def feed(self, raw: str) -> None:
+    def feed(self, raw: str, at: int | None = None) -> None:
         self.lines += 1
+        self.at = at if at is not None else self.lines
         text = collectors.strip(raw)
         if not text:
             return
@@ -83,17 +87,22 @@ class Analysis:
                 return
             if self.server is not None and found != self.server:
                 raise UsageError(
-                    f"line {self.lines} is in {NAMES[found]}'s log format, and no line before it in "
+                    f"line {self.at} is in {NAMES[found]}'s log format, and no line before it in "
                     f"{NAMES[self.server]}'s: this is not a log of --server {self.server}",
                     hint=f"drop --server, or give --server {found}")
             self._begin(found)
-        logs = self.logs
+        logs = self.runs.logs
+        proc, body, header = self.runs.process(text)
+        if header and body.startswith(logs.echo):
+            return  # a request echoed by --log-requests: the user's text, never the server's word
         rows = []
         if logs.firsts.search(text) is not None:
-            rows = [(row, m) for row in logs.lines if self._may_apply(row) and (m := row.match(text))]
-        proc, body, _ = self.runs.process(text)
+            # Only the server's own records say what it did (a line with its header); a line
+            # without one is a traceback's or native code's (printed_by), never a fusion line.
+            rows = [(row, m) for row in logs.lines if (header or row.printed_by is not None)
+                    and self._may_apply(row) and (m := row.match(text))]
         for row, _ in rows:
-            if self.runs.start(row, self.lines, proc):
+            if self.runs.start(row, self.at, proc):
                 proc, body, _ = self.runs.process(text)
                 self.version, self.version_from = self.given
                 self.ambiguous = []
@@ -122,12 +131,13 @@ class Analysis:
     def _ambiguous(self, rows, body: str) -> bool:
         """A line that is a fall-back in some releases and not in others, the release not known:
         say so, and do not count it as one (the lines say no more)."""
-        kinds = {row.kind for row, _ in rows}
+        kinds = {row.kind for row, _ in rows} - {"signature"}  # an exception's fragment quoted in the line
         if "fell-back" not in kinds or len(kinds) == 1:
             return False
-        if len(self.ambiguous) < MAX_SEEN:
-            meanings = "; ".join(f"{row.kind} in {self.server} {row.versions}" for row, _ in rows)
-            self.ambiguous.append(f"{body} (means {meanings}: --version tells which)")
+        meanings = "; ".join(f"{row.kind} in {self.server} {row.versions}" for row, _ in rows)
+        note = f"{body} (means {meanings}: --version tells which)"
+        if len(self.ambiguous) < MAX_SEEN and note not in self.ambiguous:  # once, however many ranks print it
+            self.ambiguous.append(note)
         return True
 
     def idle(self) -> None:
@@ -148,10 +158,25 @@ class Analysis:
                 if row.kind == kind and self._applies(row):
                     yield key, proc, row, body, match
 
-    def _fix(self, row_step: str | None, row_fix: str | None, text: str) -> tuple[str | None, str | None]:
-        """The step and fix of a failure line, or of the cause its text names."""
-        cause = self.logs.cause(text)
-        return (cause.step, cause.fix) if cause is not None else (row_step, row_fix)
+    def _fix(self, row_step: str | None, row_fix: str | None, text: str, proc=None,
+             functions=frozenset()) -> tuple[str | None, str | None]:
+        """The step and fix of a failure line, or of the cause its text names: a cause
+        (out of memory), or an exception a signature row knows (a fell-back line that caught
+        FlashInfer's JIT gate names the JIT gate, not the workspace). With ``proc``, the process's
+        lines before it may name the cause (vLLM logs a backend's failure, then that no backend
+        made the workspace): the newest that names one."""
+        said = [text]
+        if proc is not None:
+            said += [body for row, body, _ in reversed(proc.events) if row.kind in ("note", "fell-back")]
+        signatures = [row for row in self.logs.lines if row.kind == "signature" and self._applies(row)]
+        for line in said:
+            cause = self.logs.cause(line, functions)
+            if cause is not None:
+                return cause.step, cause.fix
+            signature = next((row for row in signatures if row.match(line)), None)
+            if signature is not None:
+                return signature.step, signature.fix
+        return row_step, row_fix
 
     def report(self, source: str, *, registry=None, timed_out: bool = False) -> LogCheckReport:
         runs = self.runs
@@ -180,12 +205,14 @@ class Analysis:
                                   summary=f"{logs.server} {self.version} is not mapped: sm120patch knows its log "
                                           f"lines for {spec_words(logs.versions)} (what was seen is below, read with every "
                                           "known release's lines)")
-        tp = next((int(m["value"]) for _, _, _, _, m in self._events("tp") if m is not None), None)
+        tp = self._size("tp")
+        # Every rank of every data-parallel replica and pipeline stage makes its own workspace
+        # (DP2 x TP2 is 4 ranks, not 2).
+        expected = tp * (self._size("dp") or 1) * (self._size("pp") or 1) if tp is not None else None
         requested = None
         if any(True for _ in self._events("config")):
             requested = any(True for _ in self._events("requested"))
         ranks = {key: proc for key, proc in self.processes.items() if proc.is_rank}
-        expected = tp if tp is not None else None
         ready = next(iter(self._events("ready")), None)
         kernel = [(proc.label, m["value"]) for _, proc, _, _, m in self._events("kernel") if m is not None]
         for note in logs.kernel_notes:
@@ -204,10 +231,10 @@ class Analysis:
 
         crash = self._crash(registry)
         if crash is not None:
-            signature, marker_proc, crash_info = crash
+            signature, marker_proc, crash_info, functions = crash
             pending = any(p.traceback is not None and p.traceback.active for p in self.processes.values())
             step, fix = self._fix(signature.step if signature else None, signature.fix if signature else None,
-                                  crash_info.exception or "")
+                                  crash_info.exception or "", functions=functions)
             where = f" ({marker_proc.label})" if marker_proc.label != MAIN else ""
             summary = f"crashed{where}: {crash_info.exception or crash_info.marker}"
             return LogCheckReport(**base, verdict=CRASHED, final=not pending, summary=summary, step=step, fix=fix,
@@ -232,7 +259,7 @@ class Analysis:
         if fell is not None:
             _, proc, row, body, _ = fell
             where = f" on {proc.label}" if proc.label != MAIN else ""
-            step, fix = self._fix(row.step, row.fix, body)
+            step, fix = self._fix(row.step, row.fix, body, proc)
             return LogCheckReport(**base, verdict=FELL_BACK, final=True, step=step, fix=fix, message=body,
                                   summary=f"fell back to unfused allreduce{where}: {body}", **more)
 
@@ -246,23 +273,41 @@ class Analysis:
         fused, plain = {}, {}
         for key, proc, row, body, match in self._events("fused"):
             (plain if row.only_if_requested and not requested else fused)[key] = (row, body, match)
+        # The release not known, a line that means fusion only where it was asked for in some
+        # releases is not fusion's until the settings line says so.
+        fused = {key: event for key, event in fused.items() if key not in plain}
         if plain and not fused:
             said = ("the settings line does not ask for fusion" if requested is False
                     else "the settings line is not in this log, so it cannot tell")
-            notes.append(f"FlashInfer's allreduce workspace was created on {counted(len(plain), 'process')}, which "
+            notes.append(f"FlashInfer's allreduce workspace was created on {counted(len(plain), 'process', 'processes')}, which "
                          f"this release also does for plain allreduces without the fusion pass ({said})")
+            if requested is None and ready is not None:
+                return LogCheckReport(**base, verdict=STARTING, final=True,
+                                      summary="no verdict: the workspace lines on "
+                                              f"{counted(len(plain), 'process', 'processes')} mean fusion only where "
+                                              "the settings line asks for the pass, and the settings line is not in "
+                                              "this log (rotated away?): read the log from the server's start",
+                                      **more)
         if fused:
             backends = sorted({(m["backend"] if m is not None and "backend" in m.groupdict() and m["backend"]
                                 else row.backend) or "?" for row, _, m in fused.values()})
             want = expected if expected is not None else max(len(ranks), 1)
             have = len([k for k in fused if k in ranks]) if ranks else len(fused)
             backend = ", ".join(backends)
-            if have >= want:
-                when = "" if ready is not None else "; the server has not said it is ready yet"
-                return LogCheckReport(**base, verdict=FUSED, final=ready is not None, backend=backend,
+            if have >= want and ready is not None:
+                return LogCheckReport(**base, verdict=FUSED, final=True, backend=backend,
                                       message=next(iter(fused.values()))[1],
                                       summary=f"fused: FlashInfer's workspace (backend {backend}) was created on "
-                                              f"every rank ({have} of {want}){when}", **more)
+                                              f"every rank ({have} of {want}) and the server is ready", **more)
+            if have >= want:
+                # Exit 0 means fused and serving: CUDA graph capture and the first compile still come
+                # after the workspace, and either can end the start.
+                return LogCheckReport(**base, verdict=STARTING, final=False, backend=backend,
+                                      message=next(iter(fused.values()))[1],
+                                      summary=f"fused so far, not serving yet: the workspace (backend {backend}) "
+                                              f"was created on every rank ({have} of {want}), and the server has "
+                                              f"not said it is ready ({self._stage() or 'no later stage logged'}): "
+                                              "no verdict yet", **more)
             if ready is not None:
                 missing = sorted(proc.label for key, proc in ranks.items() if key not in fused)
                 return LogCheckReport(**base, verdict=FELL_BACK, final=True, step="workspace", backend=backend,
@@ -297,15 +342,24 @@ class Analysis:
             return LogCheckReport(**base, verdict=NOT_REQUESTED, final=True, step="requested", fix=flag,
                                   summary=f"not requested: the server is ready and no fusion line came ({said})",
                                   **more)
-        stage = None
-        for proc in self.processes.values():
-            for row, _, _ in proc.events:
-                if row.kind == "progress" and self._applies(row):
-                    stage = row.stage
+        stage = self._stage()
         partial = f"; the workspace on {counted(len(fused), 'rank')} so far" if fused else ""
         return LogCheckReport(**base, verdict=STARTING, final=False,
                               summary=f"still starting ({stage or 'no start-up stage logged yet'}{partial}): "
                                       "no verdict yet", **more)
+
+    def _size(self, kind: str) -> int | None:
+        """The parallel size (tp, dp, pp) the settings line gives."""
+        return next((int(m["value"]) for _, _, _, _, m in self._events(kind) if m is not None), None)
+
+    def _stage(self) -> str | None:
+        """The start-up stage the newest progress line of any process names."""
+        newest = None
+        for proc in self.processes.values():
+            for row, _, _ in proc.events:
+                if row.kind == "progress" and self._applies(row):
+                    newest = row.stage
+        return newest
 
     def _per_rank(self, ranks: dict, ready: bool) -> list[RankVerdict]:
         out = []
@@ -331,8 +385,6 @@ class Analysis:
 
     def _crash(self, registry):
         markers = list(self._events("crashed"))
-        if not markers:
-            return None
         signatures = [row for row in self.logs.lines if row.kind == "signature" and self._applies(row)]
 
         def signature_of(proc):
@@ -343,11 +395,24 @@ class Analysis:
                             return row, tb, exc
             return None
 
+        if not markers:
+            # A traceback with none of the server's lines around it (Python's own report of an
+            # uncaught exception, on stderr) whose exception a signature row knows, in a run that
+            # never got ready: the process died of it.
+            if next(iter(self._events("ready")), None) is not None:
+                return None
+            bare = [p for p in self.processes.values() if signature_of(p) is not None]
+            if not bare:
+                return None
+            proc = sorted(bare, key=lambda p: not p.is_rank)[0]
+            markers = [(None, proc, None, f"{TRACEBACK_LINE} (no line of the server's own around it)", None)]
+
         # The process that says why: one whose exception has a known signature, then a rank, then any.
         candidates = sorted(self.processes.values(), key=lambda p: (signature_of(p) is None, not p.is_rank))
         chosen = next((p for p in candidates if p.tracebacks and any(t.exceptions for t in p.tracebacks)), None)
         _, marker_proc, _, marker_body, _ = sorted(markers, key=lambda m: not m[1].is_rank)[0]
         signature = exception = frame = frame_file = None
+        functions = frozenset()
         if chosen is not None:
             found = signature_of(chosen)
             if found is not None:
@@ -355,10 +420,10 @@ class Analysis:
             else:
                 tb = next(t for t in reversed(chosen.tracebacks) if t.exceptions)
                 exception = tb.exceptions[-1]
-            frame, frame_file = tb.frame, tb.frame_file
+            frame, frame_file, functions = tb.frame, tb.frame_file, frozenset(tb.functions)
             marker_proc = chosen if chosen.is_rank or not marker_proc.is_rank else marker_proc
         patched_by = _patched_by(frame_file, registry) if frame_file else None
-        return signature, marker_proc, Crash(marker_body, exception, frame, frame_file, patched_by)
+        return signature, marker_proc, Crash(marker_body, exception, frame, frame_file, patched_by), functions
 
     def _flag(self, registry) -> str | None:
         if registry is None:
@@ -439,13 +504,13 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             raise UsageError(f"--version {raw_version!r} is not a release number (e.g. 0.5.9)") from None
     # Without --server, the lines' format says which server (a --version is that server's release).
     data = {name: load_logs(name) for name in SERVERS}
-    analysis = Analysis(data, server, version, version_from)
+    fleet = Fleet(lambda: Analysis(data, server, version, version_from))
     source = request.source
     started = time.monotonic()
     deadline = started + request.timeout
     predicted = _predicted(request.python, server) if request.python else None
 
-    def finish(timed_out: bool = False) -> LogCheckReport:
+    def finish(analysis: Analysis, timed_out: bool) -> LogCheckReport:
         report = analysis.report(source, registry=registry, timed_out=timed_out)
         report.predicted = predicted
         if predicted is not None and report.step and report.verdict != FUSED:
@@ -464,25 +529,36 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
         return report
 
     follow = request.follow or request.new_run
-    before: int | None = None  # --new-run: the runs the log held once what was there was read
+    before: dict | None = None  # --new-run: the runs each replica's log held once what was there was read
 
-    def runs_read() -> int:
+    def runs_read(analysis: Analysis) -> int:
         return analysis.runs.count if analysis.runs is not None else 0
 
-    def current(timed_out: bool = False) -> LogCheckReport:
-        """The verdict so far; with --new-run, none until a run begins after the start."""
-        runs = runs_read()
-        if before is None or runs > before:
-            return finish(timed_out)
-        newest = f"run {analysis.runs.run.number}, from line {analysis.runs.run.first_line}" if runs else "none"
-        return LogCheckReport(source=source, server=analysis.server, version=str(version) if version else None,
-                              version_from=version_from if version else "", verdict=STARTING, final=False,
-                              summary=f"no run of the server began after check-log started (the newest in the log: "
-                                      f"{newest}, was already there): no verdict yet",
-                              lines=analysis.lines, timed_out=timed_out, run=runs, runs=runs)
+    def replica(name: str | None, analysis: Analysis, timed_out: bool) -> LogCheckReport:
+        """A replica's verdict so far; with --new-run, none until a run begins after the start."""
+        runs = runs_read(analysis)
+        if before is None or runs > before.get(name, 0):
+            report = finish(analysis, timed_out)
+        else:
+            newest = (f"run {analysis.runs.run.number}, from line {analysis.runs.run.first_line}" if runs
+                      else "none")
+            report = LogCheckReport(source=source, server=analysis.server, version=str(version) if version else None,
+                                    version_from=version_from if version else "", verdict=STARTING, final=False,
+                                    summary=f"no run of the server began after check-log started (the newest in the "
+                                            f"log: {newest}, was already there): no verdict yet",
+                                    lines=analysis.lines, timed_out=timed_out, run=runs, runs=runs)
+        report.replica = name
+        return report
 
-    # --follow: the first final verdict once what was there is read (the newest run decides);
-    # a pipe or FIFO, followed or not, ends at its writer's close or at the deadline.
+    def current(timed_out: bool = False) -> LogCheckReport:
+        # Lines of no replica that hold no server line (kubectl's own warnings in the stream) are no
+        # replica of the server: they do not make the fleet "no verdict".
+        read = {name: a for name, a in fleet.replicas.items() if a.runs is not None} or fleet.replicas
+        return fleet.report([replica(name, analysis, timed_out) for name, analysis in read.items()],
+                            source, timed_out)
+
+    # --follow: the first final verdict once what was there is read (the newest run of each replica
+    # decides); a pipe or FIFO, followed or not, ends at its writer's close or at the deadline.
     lines = open_lines(source, follow=follow, deadline=deadline, mark_start=request.new_run)
     idle_since = None
     caught_up = False
@@ -491,17 +567,15 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
             if text is None:
                 now = time.monotonic()
                 if not caught_up and request.new_run:
-                    before = runs_read()
+                    before = {name: runs_read(a) for name, a in fleet.replicas.items()}
                 caught_up = True
                 idle_since = idle_since or now
                 if now - idle_since >= IDLE_CRASH_S:
-                    analysis.idle()
-                    analysis.changed = True
+                    fleet.idle()
             else:
                 idle_since = None
-                analysis.feed(text)
-            if follow and caught_up and analysis.changed:
-                analysis.changed = False
+                fleet.feed(text)
+            if follow and caught_up and fleet.changed():
                 report = current()
                 if on_event is not None:
                     on_event(report)
@@ -511,8 +585,79 @@ def check_log(request: CheckLogRequest, *, on_event: Callable[[LogCheckReport], 
                 return current(timed_out=True)
     except OSError as exc:
         raise TransactionError(f"cannot read {source}: {exc.strerror or exc}") from None
-    analysis.idle()
+    fleet.idle()
     return current()
 
 
-__all__ = ["CheckLogRequest", "check_log", "load_logs", "parse_logs", "Sm120PatchError"]
+# -- several replicas in one stream ------------------------------------------------------------------
+
+# `kubectl logs -l app=... --prefix` (and `kubectl logs deploy/x --all-containers --prefix`) puts
+# "[pod/NAME/CONTAINER] " before each line of each pod: the replica. SGLang's own lines begin
+# "[" and a date, never a resource kind and a slash.
+REPLICA = re.compile(r"\[(?P<name>[a-z][a-z0-9.-]*/[^/\]\s]+/[^/\]\s]+)\] ")
+_DIGITS = frozenset("0123456789")
+_WRAPPED = frozenset("0123456789{")
+# Worst first: the overall verdict of several replicas is the worst of theirs.
+WORST = (CRASHED, FELL_BACK, NOT_REQUESTED, UNKNOWN_RELEASE, STARTING, FUSED)
+
+
+class Fleet:
+    """The replicas of one stream, each read on its own (its runs, its ranks, its verdict): a
+    stream without replica prefixes is one replica, named None."""
+
+    def __init__(self, make: Callable[[], Analysis]) -> None:
+        self.make = make
+        self.replicas: dict[str | None, Analysis] = {}
+        self.unwrap: dict[str | None, Unwrap] = {}
+        self.lines = 0
+
+    def feed(self, raw: str) -> None:
+        self.lines += 1
+        name = None
+        first = raw[:1]
+        if first == "[" and raw[1:2] not in _DIGITS:  # SGLang's own "[" is its date's
+            match = REPLICA.match(raw)
+            if match is not None:
+                name, raw = match["name"], raw[match.end():]
+                first = raw[:1]
+        analysis = self.replicas.get(name)
+        if analysis is None:
+            analysis = self.replicas[name] = self.make()
+            self.unwrap[name] = Unwrap()
+        if first in _WRAPPED:  # what a container runtime wraps a line in starts with a date or "{"
+            raw = self.unwrap[name](raw)
+            if raw is None:  # a partial record: the line goes on in the next one
+                analysis.lines += 1
+                return
+        analysis.feed(raw, self.lines)
+
+    def idle(self) -> None:
+        for analysis in self.replicas.values():
+            analysis.idle()
+            analysis.changed = True
+
+    def changed(self) -> bool:
+        changed = False
+        for analysis in self.replicas.values():
+            changed |= analysis.changed
+            analysis.changed = False
+        return changed
+
+    def report(self, reports: list[LogCheckReport], source: str, timed_out: bool) -> LogCheckReport:
+        """One replica's report as it is (named, if the stream named it); several: the worst one's,
+        its summary naming it, with every replica's report under it, final when every one is."""
+        if not reports:
+            return self.make().report(source, timed_out=timed_out)
+        if len(reports) == 1:
+            return reports[0]
+        named = sorted(reports, key=lambda r: (r.replica is None, r.replica or ""))
+        worst = min(named, key=lambda r: WORST.index(r.verdict))
+        counts = Counter(r.verdict for r in named)
+        tally = ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items(), key=lambda c: WORST.index(c[0])))
+        overall = replace(worst, replicas=named, final=all(r.final for r in named), lines=self.lines,
+                          summary=f"{counted(len(named), 'replica')} ({tally}); the worst, "
+                                  f"{worst.replica or 'the lines without a replica prefix'}: {worst.summary}")
+        return overall
+
+
+__all__ = ["CheckLogRequest", "Fleet", "check_log", "load_logs", "parse_logs", "Sm120PatchError"]

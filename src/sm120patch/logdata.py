@@ -19,12 +19,12 @@ from sm120patch.distributions import specifier
 from sm120patch.errors import PatchDataError
 from sm120patch.patchsets import read_toml
 
-# config: the settings line; tp, requested; off: a setting under which the server never fuses;
+# config: the settings line; tp, dp, pp (its parallel sizes), requested; off: a setting under which the server never fuses;
 # lazy: a setting under which the workspace waits for the first request; request: a request was
 # served; progress, ready, fused, kernel, fell-back; crashed: the process is going down (Python);
 # died: it went down outside Python (C++, the kernel, a launcher); signature: an exception line
 # that says why; note.
-KINDS = ("version", "config", "tp", "requested", "off", "lazy", "request", "progress", "ready", "fused", "kernel",
+KINDS = ("version", "config", "tp", "dp", "pp", "requested", "off", "lazy", "request", "progress", "ready", "fused", "kernel",
          "fell-back", "crashed", "died", "signature", "note")
 STEPPED = ("fell-back", "signature", "off", "died")  # the kinds that name a step and a fix
 
@@ -77,8 +77,9 @@ class Cause(NamedTuple):
     the row's own step and fix (``patches/common-logs.toml``)."""
 
     message: tuple[str, ...]  # any of these fragments in the line
-    step: str
+    step: str | None  # None: a failure of no fusion step (the server's own, e.g. CUDA graph capture)
     fix: str
+    frames: tuple[str, ...] = ()  # only in a traceback that went through one of these functions
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,15 @@ class LogData:
     kernel_notes: tuple[KernelNote, ...]
     causes: tuple[Cause, ...] = ()
     firsts: re.Pattern = field(compare=False, default=None)  # any row's first fragment: a cheap pre-filter
+    # The starts of the records that echo a request (--log-requests): the user's text, never counted.
+    echo: tuple[str, ...] = ()
 
     def covers(self, version: Version | None) -> bool:
         return version is not None and self.versions.contains(version, prereleases=True)
 
-    def cause(self, text: str) -> Cause | None:
-        return next((c for c in self.causes if any(m in text for m in c.message)), None)
+    def cause(self, text: str, functions=frozenset()) -> Cause | None:
+        return next((c for c in self.causes if any(m in text for m in c.message)
+                     and (not c.frames or functions.intersection(c.frames))), None)
 
 
 def _regex(value, where: str) -> re.Pattern:
@@ -135,7 +139,7 @@ def _line(raw: dict, lwhere: str, default_versions: str | None) -> LogLine:
     if kind == "progress" and not isinstance(raw.get("stage"), str):
         raise PatchDataError(f"{lwhere}: a progress line names its stage")
     pattern = _regex(raw["pattern"], lwhere) if "pattern" in raw else None
-    if kind in ("version", "tp", "kernel") and (pattern is None or "value" not in pattern.groupindex):
+    if kind in ("version", "tp", "dp", "pp", "kernel") and (pattern is None or "value" not in pattern.groupindex):
         raise PatchDataError(f"{lwhere}: a {kind} line's pattern captures (?P<value>...)")
     if ("source" in raw) != ("source_versions" in raw):
         raise PatchDataError(f"{lwhere}: source and source_versions go together")
@@ -163,15 +167,25 @@ def parse_common(path: Path) -> tuple[tuple[LogLine, ...], tuple[Cause, ...]]:
         if "printed_by" not in raw:
             raise PatchDataError(f"{lwhere}: a line of every server names who prints it (printed_by)")
         rows.append(_line(raw, lwhere, ">=0"))
+    return tuple(rows), _causes(doc, where, step_required=True)
+
+
+def _causes(doc: dict, where: str, *, step_required: bool) -> tuple[Cause, ...]:
     causes = []
     for index, raw in enumerate(doc.get("cause", [])):
         cwhere = f"{where}: cause #{index + 1}"
         message = raw.get("message")
-        if (not isinstance(message, list) or not message or raw.get("step") not in STEPS
+        step = raw.get("step")
+        if (not isinstance(message, list) or not message or not all(isinstance(m, str) and m for m in message)
+                or not (step in STEPS or (step is None and not step_required))
                 or not isinstance(raw.get("fix"), str)):
-            raise PatchDataError(f"{cwhere}: needs message (fragments), step (one of {', '.join(STEPS)}) and fix")
-        causes.append(Cause(tuple(message), raw["step"], raw["fix"]))
-    return tuple(rows), tuple(causes)
+            raise PatchDataError(f"{cwhere}: needs message (fragments), step (one of {', '.join(STEPS)}"
+                                 + ("" if step_required else ", or none: a failure of no fusion step") + ") and fix")
+        frames = raw.get("frames", [])
+        if not isinstance(frames, list) or not all(isinstance(f, str) and f for f in frames):
+            raise PatchDataError(f"{cwhere}: frames is a list of function names")
+        causes.append(Cause(tuple(message), step, raw["fix"], tuple(frames)))
+    return tuple(causes)
 
 
 def parse_logs(path: Path, server: str, common: tuple[tuple[LogLine, ...], tuple[Cause, ...]] = ((), ())) -> LogData:
@@ -202,10 +216,15 @@ def parse_logs(path: Path, server: str, common: tuple[tuple[LogLine, ...], tuple
             raise PatchDataError(f"{nwhere}: needs versions and text")
         notes.append(KernelNote(specifier(raw.get("versions"), nwhere), raw["text"]))
     firsts = re.compile("|".join(sorted({re.escape(r.message[0]) for r in rows}, key=len, reverse=True)))
+    echo = fmt.get("echo", [])
+    if not isinstance(echo, list) or not all(isinstance(e, str) and e for e in echo):
+        raise PatchDataError(f"{where}: format.echo is a list of the literal starts of the records that echo a request")
     return LogData(server, specifier(doc.get("versions"), where), _regex(fmt["header"], f"{where}: format.header"),
                    _regex(fmt["rank"], f"{where}: format.rank"),
                    _regex(fmt["process"], f"{where}: format.process") if "process" in fmt else None,
-                   tuple(rows), tuple(quiet), tuple(notes), common[1], firsts)
+                   tuple(rows), tuple(quiet), tuple(notes),
+                   _causes(doc, where, step_required=False) + common[1], firsts,  # the server's causes first
+                   tuple(echo))
 
 
 def load_logs(server: str, directory: Path | None = None) -> LogData:

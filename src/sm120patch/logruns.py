@@ -33,6 +33,7 @@ class Traceback:
     frame: str | None = None
     frame_file: str | None = None
     exceptions: list = field(default_factory=list)
+    functions: set = field(default_factory=set)  # the functions of its frames (bounded): where it went through
 
 
 @dataclass
@@ -135,6 +136,8 @@ class Runs:
         if frame is not None:
             tb.frame = body.strip()
             tb.frame_file = frame["file"]
+            if len(tb.functions) < MAX_EVENTS:
+                tb.functions.add(frame["func"])
             return False
         if body[:1].isspace() or not body.strip() or tb.frame is None:
             return False  # the source line under a frame, a caret line

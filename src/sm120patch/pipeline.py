@@ -241,7 +241,13 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     by_name = {t.distribution.name: t for t in trees}
     profile = None
     if any(t.distribution.fusion_paths for t in trees):
-        profile = tunedlimits.read({t.assessment.name: t.assessment.raw_version for t in trees})
+        versions = {t.assessment.name: t.assessment.raw_version for t in trees}
+        # The server checks the torch release the profile names too: the target's, where the probe
+        # found it (without torch no server runs there, and status says torch is not checked).
+        torch = located.env.get("torch")
+        if torch is not None:
+            versions["torch"] = torch.raw_version
+        profile = tunedlimits.read(versions)
     commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
                               doctor=located.command("doctor"), bench=located.command("bench"),
                               status=located.command("status"), diff=command("diff", located.options[0]),

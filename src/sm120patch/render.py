@@ -1002,11 +1002,15 @@ def render_tune(report: TuneReport) -> str:
         (names[s["name"]], s["column"]) for s in timed]
     lines += ["", f"  {'tokens':>6}  {'size':>8}" + "".join(f"  {title:>22}" for title, _ in columns)]
     for row in rows:
-        lines.append(f"  {row['tokens']:>6}  {_size(row['bytes']):>8}" + "".join(
+        tokens = f"{row['tokens']}*" if row.get("probe") else str(row["tokens"])
+        lines.append(f"  {tokens:>6}  {_size(row['bytes']):>8}" + "".join(
             f"  {_timing(row, column):>22}" for _, column in columns))
+    if any(row.get("probe") for row in rows):
+        lines.append("  * measured to narrow a limit down (between two sizes asked for, the same checks and "
+                     "repetitions)")
     for tie in limits.ties:
         lines.append(f"  tie at {_size(tie['bytes'])}: {' and '.join(names.get(p, p) for p in tie['paths'])} are within "
-                     "each other's interquartile range")
+                     "the noise of the repetitions (their interquartile ranges and their medians' notches overlap)")
     lines.append("")
     last_fused = max((r["tokens"] for r in rows if r["bytes"] <= limits.fused_max_bytes), default=0)
     if limits.never_fused:
@@ -1075,9 +1079,22 @@ def render_additions(report) -> str:
 # -- check-log ---------------------------------------------------------------------------------------
 
 def render_log_check(report) -> str:
+    if report.replicas:  # several replicas in one stream: each one's block, then the worst verdict
+        blocks = [_log_check_lines(r) for r in report.replicas]
+        overall = [f"{report.source}: {counted(len(report.replicas), 'replica')}, {counted(report.lines, 'line')} "
+                   f"read; each replica's newest run decides its verdict, the worst decides the exit code",
+                   f"verdict: {report.summary}"]
+        if report.fix:
+            overall.append(f"  fix ({report.replica}): {report.fix}")
+        return coloured(fit("\n\n".join("\n".join(b) for b in [*blocks, overall])))
+    return coloured(fit("\n".join(_log_check_lines(report))))
+
+
+def _log_check_lines(report) -> list[str]:
     what = report.server or "the server"
     release = f"{what} {report.version} (from {report.version_from})" if report.version else what
-    lines = [f"{report.source}: {release}, {counted(report.lines, 'line')} read"]
+    named = f"{report.source} ({report.replica})" if report.replica else report.source
+    lines = [f"{named}: {release}, {counted(report.lines, 'line')} read"]
     if report.runs > 1:
         lines.append(f"run {report.run} of {report.runs} (from line {report.run_line}): the newest run decides")
     if report.ranks:
@@ -1111,7 +1128,7 @@ def render_log_check(report) -> str:
         lines.append("  (--follow: the timeout passed before a final verdict)")
     elif not report.final and report.verdict != "starting":
         lines.append("  (not final: later lines may change it)")
-    return coloured(fit("\n".join(lines)))
+    return lines
 
 
 def log_check_json(report) -> dict:
@@ -1124,5 +1141,6 @@ def log_check_json(report) -> dict:
             "seen": list(report.seen), "lines": report.lines, "timed_out": report.timed_out,
             "run": report.run, "runs": report.runs, "run_line": report.run_line,
             "predicted": chain_json(report.predicted) if report.predicted is not None else None,
+            "replica": report.replica, "replicas": [log_check_json(r) for r in report.replicas],
             "next": [{"command": command, "reason": report.summary}
                      for command in _COMMAND_OF_SM120PATCH.findall(report.fix or "")[-1:]]}

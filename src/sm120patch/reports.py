@@ -246,6 +246,8 @@ class LogCheckReport:
     runs: int = 1  # ... of how many the log holds
     run_line: int = 1  # the line that run begins at
     predicted: Chain | None = None  # --python: what status judges for this server's environment
+    replica: str | None = None  # the stream's name for the replica (kubectl --prefix: "pod/NAME/CONTAINER")
+    replicas: Sequence["LogCheckReport"] = ()  # several replicas in one stream: each one's report (this is the worst's)
     errors = ()
 
     @property

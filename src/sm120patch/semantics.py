@@ -243,7 +243,8 @@ def tuned_limits(text: str) -> tuple[bool, str]:
     """SGLang's fusion predicate caps the batch by the tuned limit, with the profile reader beside it."""
     tree = ast.parse(text)
     caps = _calls(tree, "_sm120patch_fused_max_tokens")
-    reader = _defines(tree, "_sm120patch_tuned_limits")
+    # The reader, and what it asks of the server as this release has it (per patch set).
+    reader = _defines(tree, "_sm120patch_tuned_limits") and _defines(tree, "_sm120patch_sglang_served")
     return bool(caps) and reader, (f"{counted(len(caps), 'batch cap')} through the tuned limits; the profile reader "
                                    + ("is" if reader else "is not") + " in the module")
 
@@ -261,25 +262,23 @@ def tuned_oneshot(text: str) -> tuple[bool, str]:
 
 @check("tuned-rows")
 def tuned_rows(text: str) -> tuple[bool, str]:
-    """vLLM's SM120 rows of both fusion tables pass through the tuned limits."""
+    """vLLM narrows its SM120 rows of both fusion tables to the tuned limits at import, and its fused
+    call keeps a batch of no more tokens than ranks one-shot under them."""
     tree = ast.parse(text)
-    wrapped = []
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id in VLLM_FUSION_TABLES for t in targets) and isinstance(node.value, ast.Dict):
-            for key, value in zip(node.value.keys, node.value.values):
-                if (key is not None and ast.literal_eval(key) == 120 and isinstance(value, ast.Call)
-                        and isinstance(value.func, ast.Name) and value.func.id == "_sm120patch_tuned_row"):
-                    wrapped.append(targets[0].id)
-    reader = _defines(tree, "_sm120patch_tuned_row")
-    return len(wrapped) == len(VLLM_FUSION_TABLES) and reader, (
-        f"SM120 rows through the tuned limits: {', '.join(wrapped) or 'none'}")
+    narrowed = [n for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                and isinstance(n.value.func, ast.Name) and n.value.func.id == "_sm120patch_tuned_rows"
+                and [a.id for a in n.value.args if isinstance(a, ast.Name)] == list(VLLM_FUSION_TABLES)]
+    floors = _calls(tree, "_sm120patch_oneshot_floor")
+    defined = _defines(tree, "_sm120patch_tuned_rows") and _defines(tree, "_sm120patch_oneshot_floor")
+    return len(narrowed) == 1 and len(floors) == 1 and defined, (
+        f"{counted(len(narrowed), 'narrowing of the SM120 rows')} at import, "
+        f"{counted(len(floors), 'one-shot floor')} in the fused call")
 
 
 # Names that sglang patches put into code; each must be bound where it is used.
 INTRODUCED_NAMES = ("is_sm120_supported", "_is_sm120_supported", "torch", "is_cuda", "_is_cuda", "get_platform",
-                    "_sm120patch_fused_max_tokens", "_sm120patch_sglang_tp_size", "_sm120patch_use_oneshot",
-                    "_sm120patch_tuned_row")
+                    "_sm120patch_fused_max_tokens", "_sm120patch_use_oneshot",
+                    "_sm120patch_tuned_rows", "_sm120patch_oneshot_floor")
 
 
 def unbound_names(text: str) -> list[str]:

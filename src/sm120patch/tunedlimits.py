@@ -4,9 +4,14 @@ force through the fusion chain's ``tp`` step (chain.py).
 
 The checks are the server's own: ``_tuned_runtime`` is the code the opt-in patch ``tuned-limits``
 inserts into the servers, and this module calls the same functions, so that `status`, the tuner
-and the server cannot disagree. What `status` cannot know it says: the server reads
-``SM120PATCH_TUNED_LIMITS`` and the NCCL settings from its own environment, and checks the torch
-release the profile names, which `status` does not read.
+and the server cannot disagree. The releases are the target interpreter's, torch's included (the
+probe reads each one's metadata, as the server's importlib.metadata does). What `status` cannot
+know it says: the server reads ``SM120PATCH_TUNED_LIMITS`` and the NCCL settings from its own
+environment.
+
+A profile is a file anyone with write access to its path can fill: whatever it holds, reading it
+here is one reason (``load``, ``problem``), never a traceback, and the same reasons refuse it to
+the tuner before it measures (bench/__init__.py).
 """
 
 from __future__ import annotations
@@ -108,32 +113,110 @@ def tune_command(options: tuple[tuple[str, str | None], ...], profile: Profile |
     return f"{AS_ROOT} {line.partition(' ')[2]}" if root else line
 
 
-def read(versions: Mapping[str, str], environ: Mapping[str, str] | None = None) -> Profile:
+def load(path: str) -> tuple[dict | None, str]:
+    """The server's reader (``_sm120patch_load``: (document, '') or (None, why)), where a file
+    nested too deeply for json to parse is one more reason, not a RecursionError."""
+    try:
+        return runtime._sm120patch_load(path)
+    except RecursionError:
+        return None, f"cannot read {path} (nested too deeply to be a profile)"
+
+
+def parse(data: bytes) -> tuple[object, str]:
+    """(document, '') from a profile's bytes, or (None, why not): the JSON error's name, or that it
+    is nested too deeply for json to read (a RecursionError)."""
+    import json
+
+    try:
+        return json.loads(data), ""
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as exc:
+        return None, exc.__class__.__name__
+
+
+def problem(document) -> str:
+    """'' when sm120patch can read and merge every part of ``document``, else what is wrong: the
+    servers' own check (``_sm120patch_check_document``), which raises on a part of the wrong type
+    (a dtype that is a list) and lets through what sm120patch's readers then stumble on: a TP key
+    of digits that int() refuses ("²" is a digit to str.isdigit), NCCL settings or releases that
+    are not names and strings."""
+    try:
+        found = runtime._sm120patch_check_document(document)
+    except Exception as exc:  # noqa: BLE001 - a part of the wrong type: the server cannot judge it either
+        return f"a part of it is not of the type a profile holds ({exc.__class__.__name__})"
+    if found:
+        return found
+    for tp, entry in document["entries"].items():
+        wrong = _entry_problem(tp, entry)
+        if wrong:
+            return wrong
+    return ""
+
+
+def _entry_problem(tp: str, entry: dict) -> str:
+    if not (tp.isascii() and tp.isdigit()):
+        return f"entry {tp!r} is not a TP size"
+    if str(int(tp)) != tp:  # the server looks up str(its TP size): "04" is never found
+        return f"entry {tp!r} is not a TP size as the server looks it up ({int(tp)})"
+    if not _names_and_strings(entry.get("nccl_env", {})):
+        return f"TP{tp}: its NCCL settings are not names and values"
+    if not _names_and_strings(entry["software"]):
+        return f"TP{tp}: its releases are not names and versions"
+    return ""
+
+
+def _names_and_strings(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _text(value, default: str) -> str:
+    """A free-text field of the profile (when it was made, its verdict), as text or not at all."""
+    return value if isinstance(value, str) else default
+
+
+def _tp_order(tp: str) -> tuple:
+    return (0, int(tp), "") if tp.isascii() and tp.isdigit() else (1, 0, tp)
+
+
+def read(versions: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> Profile:
     """The profile at its location, judged for this box and ``versions`` (each installed
-    distribution's release, as status read them); names the profile lists that are not in
-    ``versions`` (torch) are not checked, and each entry says so."""
+    distribution's release, as status read them; torch's too where the probe found it, None
+    where it is not installed); names the profile lists that are not in ``versions`` are not
+    checked, and each entry says so. Whatever the file holds, the answer is a Profile: what the
+    server would make of it, in words."""
     path, from_env = location(environ)
-    document, why = runtime._sm120patch_load(path)
+    document, why = load(path)
     if document is None:
         return Profile(path, from_env, why, (), ())
-    problem = runtime._sm120patch_check_document(document)
-    if problem:
-        return Profile(path, from_env, f"malformed profile: {problem}", (), ())
+    try:
+        wrong = runtime._sm120patch_check_document(document)
+    except Exception as exc:  # noqa: BLE001 - the server's own check raises here: it never takes the profile
+        wrong = f"a part of it is not of the type a profile holds ({exc.__class__.__name__})"
+    if wrong:
+        return Profile(path, from_env, f"malformed profile: {wrong}", (), ())
     box = runtime._sm120patch_box()
     if document["box"] != box:
         return Profile(path, from_env, "made on another box (its GPUs, their PCIe paths or the driver differ)", (), ())
     entries, others = [], []
-    for tp in sorted(document["entries"], key=int):
+    for tp in sorted(document["entries"], key=_tp_order):
         raw = document["entries"][tp]
+        wrong = _entry_problem(tp, raw)
+        if wrong:  # the server never matches such an entry: its TP size or NCCL settings cannot equal its own
+            others.append(wrong + " (the server never takes it)" if wrong.startswith("TP") else wrong + " (ignored)")
+            continue
         names = raw["software"]
-        seen = {n: versions.get(n, names[n]) for n in names}
+        seen = {n: versions.get(n) if n in versions else names[n] for n in names}
         unchecked = tuple(sorted(n for n in names if n not in versions))
         # The NCCL settings are the server's (its environment, not this shell's): as tuned.
-        entry, why = runtime._sm120patch_judge(document, int(tp), box, raw.get("nccl_env", {}), seen)
+        try:
+            entry, why = runtime._sm120patch_judge(document, int(tp), box, raw.get("nccl_env", {}), seen)
+        except Exception as exc:  # noqa: BLE001 - the server's judge raises: it keeps the release's limits
+            entry, why = None, f"the server cannot judge it ({exc.__class__.__name__})"
         if entry is None:
             others.append(f"TP{tp}: {why}")
             continue
         entries.append(Entry(int(tp), entry["oneshot_max_bytes"], entry["fused_max_bytes"], entry["hidden"],
-                             entry["dtype"], entry.get("created", "?"), entry.get("verdict", ""), unchecked,
-                             dict(entry.get("nccl_env", {}))))
+                             entry["dtype"], _text(entry.get("created"), "?"), _text(entry.get("verdict"), ""),
+                             unchecked, dict(entry.get("nccl_env", {}))))
     return Profile(path, from_env, "", tuple(entries), tuple(others))

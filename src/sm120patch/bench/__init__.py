@@ -14,8 +14,11 @@ With ``--tune`` it measures instead where fusion wins on this box at this TP siz
 of ranks completes one small fused call first (a pair that fails or hangs is named), then at
 each size one-shot, two-shot, NCCL + norm and each installed server's PCIe-IPC allreduce + norm
 (``pcie_ipc_paths``, where its server sends that size) are checked against the reference and
-timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits
-and ``profile`` writes them, with the whole table, into the profile the patched servers read.
+timed in several interleaved repetitions; ``limits`` turns the medians into the one-shot and fused limits,
+the workers measure the sizes it asks for between two measured ones in the same run (rank 0 sends the
+rows, ``ask`` answers) until each limit is within 10 % of its crossover, and ``profile`` writes them,
+with the whole table, into the profile the patched servers read. What would stop that write (a file
+there that is no profile it can merge into, a path it cannot write) is refused before anything runs.
 
 - ``target``: what the target interpreter has; ``preflight``: the options and every reason the
   run cannot start; ``runner``: the workers; ``report``: the measurements and the recommendation;
@@ -24,22 +27,25 @@ and ``profile`` writes them, with the whole table, into the profile the patched 
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from dataclasses import replace
 
 from sm120patch import _tuned_runtime as runtime
-from sm120patch import driver, pipeline
+from sm120patch import driver, pipeline, tunedlimits
 from sm120patch.bench import profile
-from sm120patch.bench.limits import UNFUSED_PATHS, Row, derive, release_oneshot_max_bytes
+from sm120patch.bench.limits import MAX_PROBES, UNFUSED_PATHS, Row, derive, next_probe, release_oneshot_max_bytes
 from sm120patch.bench.preflight import SUPPORTED_WORLD_SIZES, BenchRequest, parse_int_list, preflight
 from sm120patch.bench.report import BenchReport, Case, Recommendation, Series, TuneReport, failure
 from sm120patch.bench.runner import WORKER, _classify, follow, run
 from sm120patch.bench.target import TargetInfo, probe_target
 from sm120patch.distributions import load_registry
 from sm120patch.environment import version_or_none
-from sm120patch.errors import CheckFailedError, Sm120PatchError, UsageError
+from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, UsageError
+from sm120patch.fileio import NotRegularFile, read_regular
 from sm120patch.words import spec_words
 
 __all__ = ["SUPPORTED_WORLD_SIZES", "WORKER", "BenchReport", "BenchRequest", "Case", "Recommendation", "Series",
@@ -63,12 +69,25 @@ def tune(request: BenchRequest, *, profile_path: Path, model: Path | None = None
     size, the limits derived, and the profile written for this box and TP size."""
     prepared = _prepare(request)
     world = prepared.world_size
+    check_profile_path(profile_path)  # before minutes of measuring, not after
+    hidden = request.hidden[0]
+
+    def ask(rows: list) -> int | None:
+        """The next size to measure in this run: the middle of a limit's crossover still wider than
+        10 % (limits.next_probe), None when there is none (or the probes' bound is reached)."""
+        if sum(1 for row in rows if row.get("probe")) >= MAX_PROBES:
+            return None
+        try:
+            return next_probe(derive([Row.from_table(row) for row in rows], world=world, hidden=hidden))
+        except Sm120PatchError:  # nothing to derive from: the derivation after the run says why
+            return None
+
     settings = {"repeats": request.repeats, "oneshot_max_bytes": release_oneshot_max_bytes(world),
                 "runtime": Path(runtime.__file__).read_text(encoding="utf-8"),
                 "distributions": [d.name for d in prepared.registry] + ["torch"], "pcie_ipc": list(prepared.pcie_ipc)}
-    report = run(prepared.request, world_size=world, on_event=on_event, servers=prepared.paths, tune=settings)
+    report = run(prepared.request, world_size=world, on_event=on_event, servers=prepared.paths, tune=settings, ask=ask)
     facts = report.meta["tune"]
-    hidden = request.hidden[0]
+    facts["rows"] = sorted(facts["rows"], key=lambda row: row["tokens"])  # the probes among the sizes asked for
     limits = derive([Row.from_table(row) for row in facts["rows"]], world=world, hidden=hidden)
     entry = profile.entry(limits, rows=facts["rows"], software=facts["software"], nccl_env=facts["nccl_env"],
                           dtype=request.dtype, hidden=hidden, model=model, gpus=facts["gpus"])
@@ -82,10 +101,43 @@ def tune(request: BenchRequest, *, profile_path: Path, model: Path | None = None
                                            facts["software"])
         if why:
             raise CheckFailedError(f"the measured profile would not hold here ({why}); nothing was written")
+        check_profile_path(profile_path, measured=True)  # changed while the tuner measured?
         result.profile = profile.write(profile_path, box=facts["box"], tp=world, new_entry=entry)
     except Sm120PatchError as error:
         result.errors.append(error)
     return result
+
+
+def check_profile_path(path: Path, *, measured: bool = False) -> None:
+    """Refuse now what the profile's write would refuse at the end: a file at ``path`` that is not
+    a profile sm120patch can merge into (whatever it holds: tunedlimits.problem, one line, never a
+    traceback), or a path this user cannot create a file at (the nearest existing directory)."""
+    done = "nothing was written" if measured else "nothing was measured"
+    way_out = "move it away, or pass --profile with another path"
+    try:
+        data = read_regular(path)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there yet (a parent that is a file: below)
+        data = None
+    except (IsADirectoryError, NotRegularFile) as exc:
+        raise RefusedError(f"{path} holds something that is not a tuned-limits profile ({exc.__class__.__name__}); "
+                           f"{done}", hint=way_out) from None
+    except OSError as exc:
+        raise profile._cannot_write(path, exc) from None
+    if data is not None:
+        document, why = tunedlimits.parse(data)
+        if why:
+            raise RefusedError(f"{path} holds something that is not a tuned-limits profile ({why}); {done}",
+                               hint=way_out)
+        wrong = tunedlimits.problem(document)
+        if wrong:
+            raise RefusedError(f"{path}: {wrong}; {done}", hint=way_out)
+    directory = path.absolute().parent
+    while not os.path.lexists(directory) and directory != directory.parent:
+        directory = directory.parent
+    if not directory.is_dir():
+        raise profile._cannot_write(path, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise profile._cannot_write(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
 
 
 class _Prepared(NamedTuple):

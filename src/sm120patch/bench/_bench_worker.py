@@ -26,6 +26,7 @@ import sys
 import traceback
 
 _progress = None
+_answers = None  # rank 0: the parent's answers to "refine" (SM120PATCH_BENCH_ASK_FD)
 # Every rank a process on GPU 0 (config "one_gpu": sm120patch's test-only switch for a machine with
 # one GPU): the collectives go over gloo, through host memory (NCCL refuses two ranks on one device),
 # and nothing is captured in CUDA graphs (a gloo collective cannot be). Correctness is exact; the
@@ -607,101 +608,139 @@ def pcie_ipc_row(made, x, residual, gamma, eps):
 
 
 def tune_rows(config, rank, world, device, dtype, workspace_tensor, group, pcie_ipc=()):
-    """For each token count at the one hidden size: check every path against the float32
-    reference, then time them, ``repeats`` independent repetitions interleaved path by path
-    (a drift of the clocks touches every path alike). One-shot is timed only within FlashInfer's
-    own one-shot region (the tuned limit never passes it), two-shot only above ``world`` tokens,
-    a server's PCIe-IPC path (``pcie_ipc``: make_pcie_ipc's) only at the sizes that server sends
-    it (the others are listed in the row's "not_run")."""
+    """For each token count at the one hidden size, tune_row; then, where the parent narrows the
+    limits (config "tune" "refine"), each size it asks for, until it asks for none: rank 0 sends
+    the rows so far (a "refine" event) and reads the next size from SM120PATCH_BENCH_ASK_FD, and
+    every rank measures it (the rows it adds are marked "probe")."""
+    import torch.distributed as dist
+
+    hidden = config["hidden"][0]
+    emit(event="cases", total=len(config["tokens"]))
+    rows = [tune_row(config, index, tokens, rank, world, device, dtype, workspace_tensor, group, pcie_ipc)
+            for index, tokens in enumerate(config["tokens"])]
+    emit(event="case", index=len(config["tokens"]))
+    while config["tune"].get("refine"):
+        asked = [ask_parent(rows) if rank == 0 else None]
+        dist.broadcast_object_list(asked, src=0, group=group)
+        if not asked[0]:
+            break
+        emit(event="stage", text="narrowing the limits down: %d tokens, hidden %d" % (asked[0], hidden))
+        row = tune_row(config, len(config["tokens"]), int(asked[0]), rank, world, device, dtype, workspace_tensor,
+                       group, pcie_ipc)
+        row["probe"] = True
+        rows.append(row)
+    return rows
+
+
+def ask_parent(rows):
+    """Rank 0: the rows so far to the parent (bench.limits.next_probe decides there), and the token
+    count it answers, or None (no more sizes, or no parent listening)."""
+    global _answers
+    emit(event="refine", rows=rows)
+    if _answers is None:
+        fd = os.environ.get("SM120PATCH_BENCH_ASK_FD")
+        if not fd:
+            return None
+        _answers = os.fdopen(int(fd), "r")
+    line = _answers.readline()
+    try:
+        return json.loads(line).get("tokens") if line else None
+    except ValueError:
+        return None
+
+
+def tune_row(config, index, tokens, rank, world, device, dtype, workspace_tensor, group, pcie_ipc):
+    """One token count at the one hidden size: check every path against the float32 reference,
+    then time them, ``repeats`` independent repetitions interleaved path by path (a drift of the
+    clocks touches every path alike). One-shot is timed only within FlashInfer's own one-shot
+    region (the tuned limit never passes it), two-shot only above ``world`` tokens, a server's
+    PCIe-IPC path (``pcie_ipc``: make_pcie_ipc's) only at the sizes that server sends it (the
+    others are listed in the row's "not_run")."""
     import torch
     import torch.distributed as dist
     from flashinfer.norm import fused_add_rmsnorm
 
     tune, hidden, eps = config["tune"], config["hidden"][0], config["eps"]
-    emit(event="cases", total=len(config["tokens"]))
-    rows = []
-    for index, tokens in enumerate(config["tokens"]):
-        emit(event="case", index=index, tokens=tokens, hidden=hidden, strategy="every path")
-        x, residual, gamma = make_inputs(tokens, hidden, dtype, device, config["seed"], rank)
-        message = tokens * hidden * x.element_size()
-        norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        ref_norm, ref_residual = reference(x, residual, gamma, eps, group)
+    emit(event="case", index=index, tokens=tokens, hidden=hidden, strategy="every path")
+    x, residual, gamma = make_inputs(tokens, hidden, dtype, device, config["seed"], rank)
+    message = tokens * hidden * x.element_size()
+    norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    ref_norm, ref_residual = reference(x, residual, gamma, eps, group)
 
-        def fused(use_oneshot):
-            def body():
-                fused_call(x, residual, gamma, eps, norm_out, residual_out, world, rank, workspace_tensor, use_oneshot)
-            return body, (norm_out, residual_out)
+    def fused(use_oneshot):
+        def body():
+            fused_call(x, residual, gamma, eps, norm_out, residual_out, world, rank, workspace_tensor, use_oneshot)
+        return body, (norm_out, residual_out)
 
-        a, r = x.clone(), residual.clone()
+    a, r = x.clone(), residual.clone()
 
-        def unfused():  # in place, as the server runs it: timed on whatever the last call left
-            all_reduce(a, group)
-            fused_add_rmsnorm(a, r, gamma, eps)
+    def unfused():  # in place, as the server runs it: timed on whatever the last call left
+        all_reduce(a, group)
+        fused_add_rmsnorm(a, r, gamma, eps)
 
-        def unfused_from_inputs():
-            a.copy_(x)
-            r.copy_(residual)
-            unfused()
+    def unfused_from_inputs():
+        a.copy_(x)
+        r.copy_(residual)
+        unfused()
 
-        paths = []  # (name, the call checked, the call timed, its outputs, the capture's context)
-        if message <= tune["oneshot_max_bytes"] or tokens <= world:
-            body, outputs = fused(True)
-            paths.append(("oneshot", body, body, lambda outputs=outputs: outputs, None))
-        if tokens > world:
-            body, outputs = fused(False)
-            paths.append(("twoshot", body, body, lambda outputs=outputs: outputs, None))
-        paths.append(("unfused", unfused_from_inputs, unfused, lambda: (a, r), None))
-        row = {"tokens": tokens, "bytes": message}
-        for made in pcie_ipc:
-            if made["allreduce"] is None:
-                continue
-            if made["takes"](x):  # a function of the shape: every rank answers alike
-                paths.append(pcie_ipc_row(made, x, residual, gamma, eps))
-            else:  # the server sends this size elsewhere (NCCL): absent here, never 0 us
-                row.setdefault("not_run", []).append(made["info"]["name"])
-        worst = 0.0
-        for name, checked, _, outputs, _ in paths:
+    paths = []  # (name, the call checked, the call timed, its outputs, the capture's context)
+    if message <= tune["oneshot_max_bytes"] or tokens <= world:
+        body, outputs = fused(True)
+        paths.append(("oneshot", body, body, lambda outputs=outputs: outputs, None))
+    if tokens > world:
+        body, outputs = fused(False)
+        paths.append(("twoshot", body, body, lambda outputs=outputs: outputs, None))
+    paths.append(("unfused", unfused_from_inputs, unfused, lambda: (a, r), None))
+    row = {"tokens": tokens, "bytes": message}
+    for made in pcie_ipc:
+        if made["allreduce"] is None:
+            continue
+        if made["takes"](x):  # a function of the shape: every rank answers alike
+            paths.append(pcie_ipc_row(made, x, residual, gamma, eps))
+        else:  # the server sends this size elsewhere (NCCL): absent here, never 0 us
+            row.setdefault("not_run", []).append(made["info"]["name"])
+    worst = 0.0
+    for name, checked, _, outputs, _ in paths:
+        dist.barrier(group=group)
+        try:
+            checked()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            raise Failure("fused" if name in ("oneshot", "twoshot") else "unfused", last_line(exc),
+                          {"tokens": tokens, "hidden": hidden, "strategy": name})
+        out_norm, out_residual = outputs()
+        ratio = max(tolerance_ok(out_norm, ref_norm, config["atol"], config["rtol"])[1],
+                    tolerance_ok(out_residual, ref_residual, config["atol"], config["rtol"])[1])
+        row["%s_check" % name] = ratio
+        worst = max(worst, ratio)
+    ratios = [None] * world
+    dist.all_gather_object(ratios, worst, group=group)
+    if max(ratios) > 1.0:
+        bad = [path[0] for path in paths if row["%s_check" % path[0]] > 1.0] or ["a path on another rank"]
+        raise Failure("check", "%s differs from NCCL + float32 RMSNorm (%.3g times the tolerance): no timing "
+                      "of a wrong result" % (", ".join(bad), max(ratios)),
+                      {"tokens": tokens, "hidden": hidden, "strategy": bad[0]})
+    runs = []
+    for name, _, timed, _, around in paths:
+        with around() if around is not None else contextlib.nullcontext():
+            runs.append((name, capture(timed, config["inner"])))
+    mine = dict((name, []) for name, _ in runs)
+    for repetition in range(tune["repeats"]):
+        # Progress per repetition: the parent's time limit is per step, and --repeats sets the steps.
+        emit(event="case", index=index, tokens=tokens, hidden=hidden,
+             strategy="repetition %d of %d" % (repetition + 1, tune["repeats"]))
+        for name, (run, _) in runs:
             dist.barrier(group=group)
-            try:
-                checked()
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001
-                raise Failure("fused" if name in ("oneshot", "twoshot") else "unfused", last_line(exc),
-                              {"tokens": tokens, "hidden": hidden, "strategy": name})
-            out_norm, out_residual = outputs()
-            ratio = max(tolerance_ok(out_norm, ref_norm, config["atol"], config["rtol"])[1],
-                        tolerance_ok(out_residual, ref_residual, config["atol"], config["rtol"])[1])
-            row["%s_check" % name] = ratio
-            worst = max(worst, ratio)
-        ratios = [None] * world
-        dist.all_gather_object(ratios, worst, group=group)
-        if max(ratios) > 1.0:
-            bad = [path[0] for path in paths if row["%s_check" % path[0]] > 1.0] or ["a path on another rank"]
-            raise Failure("check", "%s differs from NCCL + float32 RMSNorm (%.3g times the tolerance): no timing "
-                          "of a wrong result" % (", ".join(bad), max(ratios)),
-                          {"tokens": tokens, "hidden": hidden, "strategy": bad[0]})
-        runs = []
-        for name, _, timed, _, around in paths:
-            with around() if around is not None else contextlib.nullcontext():
-                runs.append((name, capture(timed, config["inner"])))
-        mine = dict((name, []) for name, _ in runs)
-        for repetition in range(tune["repeats"]):
-            # Progress per repetition: the parent's time limit is per step, and --repeats sets the steps.
-            emit(event="case", index=index, tokens=tokens, hidden=hidden,
-                 strategy="repetition %d of %d" % (repetition + 1, tune["repeats"]))
-            for name, (run, _) in runs:
-                dist.barrier(group=group)
-                mine[name].append(measure(run, config["reps"], config["inner"], config["warmup"]))
-        everyone = [None] * world
-        dist.all_gather_object(everyone, [mine, all(graph for _, (_, graph) in runs)], group=group)
-        for name, _ in runs:
-            median, q1, q3 = summary(slowest_per_repetition([e[0][name] for e in everyone]))
-            row["%s_us" % name], row["%s_iqr_us" % name] = median, [q1, q3]
-        row["graphs"] = all(e[1] for e in everyone)
-        rows.append(row)
-        del runs
-    emit(event="case", index=len(config["tokens"]))
-    return rows
+            mine[name].append(measure(run, config["reps"], config["inner"], config["warmup"]))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [mine, all(graph for _, (_, graph) in runs)], group=group)
+    for name, _ in runs:
+        median, q1, q3 = summary(slowest_per_repetition([e[0][name] for e in everyone]))
+        row["%s_us" % name], row["%s_iqr_us" % name] = median, [q1, q3]
+    row["graphs"] = all(e[1] for e in everyone)
+    row["repeats"] = tune["repeats"]
+    del runs
+    return row
 
 
 def profile_facts(runtime_text, distributions):

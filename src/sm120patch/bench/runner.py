@@ -75,10 +75,13 @@ def _pair_words(case: dict) -> str:
 
 
 def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], None] | None = None,
-        servers: Sequence[FusionVerdict] = (), tune: dict | None = None) -> BenchReport:
+        servers: Sequence[FusionVerdict] = (), tune: dict | None = None,
+        ask: Callable[[list], int | None] | None = None) -> BenchReport:
     """Start one worker per GPU in the target interpreter, follow their progress, and collect
     the result; hangs and crashes become one clear error (every worker is stopped). ``tune``:
-    the tuner's settings (its rows and the box's facts then come back in the result)."""
+    the tuner's settings (its rows and the box's facts then come back in the result); ``ask``:
+    given the rows measured so far, the next token count to measure in the same run, or None
+    (the tuner's narrowing of the limits: bench.limits.next_probe)."""
     atol, rtol = TOLERANCE[request.dtype]
     strategies = ["oneshot", "twoshot"] if request.strategy == "both" else [request.strategy]
     config = {
@@ -90,7 +93,7 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
                           "preflight": s.path.preflight} for s in servers],
     }
     if tune is not None:
-        config["tune"] = tune
+        config["tune"] = dict(tune, refine=ask is not None)
     config["one_gpu"] = ranks_on_one_gpu(request)
     source = WORKER.read_text(encoding="utf-8")
     import tempfile
@@ -98,6 +101,8 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
     with tempfile.TemporaryDirectory(prefix="sm120patch-bench-") as tmp:
         workdir = Path(tmp)
         read_fd, write_fd = os.pipe()
+        # The parent's answers to rank 0's "refine" events: the read end is rank 0's.
+        ask_read, ask_write = os.pipe() if ask is not None else (-1, -1)
         port = _free_port()
         procs = []
         try:
@@ -110,22 +115,29 @@ def run(request: BenchRequest, *, world_size: int, on_event: Callable[[dict], No
                     env["FLASHINFER_WORKSPACE_BASE"] = str(request.jit_base)
                 if rank == 0:
                     env["SM120PATCH_BENCH_FD"] = str(write_fd)
+                    if ask_read >= 0:
+                        env["SM120PATCH_BENCH_ASK_FD"] = str(ask_read)
                 log = open(workdir / f"rank-{rank}.log", "wb")
                 procs.append(subprocess.Popen([str(request.python), "-c", source], env=env, cwd="/",
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                              pass_fds=(write_fd,) if rank == 0 else ()))
+                                              pass_fds=tuple(fd for fd in (write_fd, ask_read) if fd >= 0)
+                                              if rank == 0 else ()))
                 log.close()
             os.close(write_fd)
             write_fd = -1
-            follow(procs, read_fd, on_event)
+            if ask_read >= 0:
+                os.close(ask_read)
+                ask_read = -1
+            follow(procs, read_fd, on_event, ask=ask, answer_fd=ask_write)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
             os.close(read_fd)
-            if write_fd >= 0:
-                os.close(write_fd)
+            for fd in (write_fd, ask_read, ask_write):
+                if fd >= 0:
+                    os.close(fd)
         errors = sorted(workdir.glob("error-*.json"))
         if errors:
             raise _classify(json.loads(errors[0].read_text()), request.python, world_size)
@@ -149,9 +161,12 @@ def _select(*args):
 
 def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[dict], None] | None, *,
            build_timeout: float = BUILD_TIMEOUT_S, case_timeout: float = CASE_TIMEOUT_S,
-           pair_timeout: float = PAIR_TIMEOUT_S) -> None:
+           pair_timeout: float = PAIR_TIMEOUT_S, ask: Callable[[list], int | None] | None = None,
+           answer_fd: int = -1) -> None:
     """Relay rank 0's progress and enforce the time limits: a stage (build, one pair of ranks,
-    one shape) that makes no progress in time is a hang, and every worker is killed."""
+    one shape) that makes no progress in time is a hang, and every worker is killed. A "refine"
+    event (the tuner's rows so far) is answered on ``answer_fd`` with ``ask``'s next token count
+    (null: none), as one JSON line; without ``ask`` the answer is null."""
     buffer = b""
     deadline = time.monotonic() + build_timeout
     current: dict | None = None
@@ -203,5 +218,14 @@ def follow(procs: Sequence[subprocess.Popen], read_fd: int, on_event: Callable[[
             if event.get("event") in ("case", "pair"):
                 current = event
                 deadline = time.monotonic() + (case_timeout if event["event"] == "case" else pair_timeout)
+            if event.get("event") == "refine":
+                tokens = ask(event["rows"]) if ask is not None else None
+                if answer_fd >= 0:
+                    try:
+                        os.write(answer_fd, (json.dumps({"tokens": tokens}) + "\n").encode())
+                    except OSError:  # rank 0 is gone: its exit code says why
+                        pass
+                deadline = time.monotonic() + case_timeout  # the next size's first event, or the exit
+                continue  # the rows are the result's, not progress to show
             if on_event:
                 on_event(event)

@@ -63,7 +63,7 @@ report:
   returned: always
   type: dict
 exit_code:
-  description: sm120patch check-log's exit code (0 fused, 1 fell back / not requested / crashed, 3 unknown release, 5 no verdict yet).
+  description: sm120patch check-log's exit code (0 fused and serving, 1 fell back / not requested / crashed, 3 unknown release, 5 no verdict yet).
   returned: always
   type: int
 """
