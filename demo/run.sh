@@ -44,10 +44,19 @@ for arch in 120a 90a_120a; do
     done
 done
 
+CODES=()
 run() {
     echo
     echo "\$ sm120patch $*"
-    sm120patch "$@" --python "$DEMO/venv/bin/python" --jit-cache-base "$DEMO/home" || explain $?
+    local code=0
+    sm120patch "$@" --python "$DEMO/venv/bin/python" --jit-cache-base "$DEMO/home" || code=$?
+    [ "$code" = 0 ] || explain "$code"
+    CODES+=("$1 $code")
+}
+
+site_hash() {  # every file of the environment's site-packages (sm120patch's own state aside), hashed
+    (cd "$DEMO/venv/lib"/python3*/site-packages && find . -path ./.sm120patch -prune -o -type f -print0 \
+        | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)
 }
 
 explain() {  # the README's exit codes
@@ -58,12 +67,21 @@ explain() {  # the README's exit codes
     esac
 }
 
+BEFORE=$(site_hash)
 run status
 run apply --flashinfer 0.6.4 --sglang 0.5.9
 run status
 run revert
 run status
+AFTER=$(site_hash)
 
 echo
 echo "# JIT cache modules left in $DEMO/home/.cache/flashinfer/0.6.4:"
 (cd "$DEMO/home/.cache/flashinfer/0.6.4" && find . -mindepth 3 -maxdepth 3 -type d ! -name tmp | sort)
+
+# One line: what each step exited with, and whether revert gave back the release's bytes.
+IFS=,; steps="${CODES[*]}"; unset IFS
+same=$([ "$BEFORE" = "$AFTER" ] && echo "byte-identical to before apply" || echo "NOT what it was before apply")
+echo
+echo "demo: exit codes ${steps//,/ -> }; site-packages after revert: $same (sha256 $AFTER)"
+[ "$BEFORE" = "$AFTER" ] && [ "${CODES[*]}" = "status 1 apply 0 status 0 revert 0 status 1" ]

@@ -316,7 +316,11 @@ class Session:
 NO_JIT_CACHE = ("diff",)  # commands that never look at FlashInfer's JIT cache
 
 
-def run_cli(*args: str):
+def run_cli(*args: str, short: bool = False):
+    """sm120patch in this process. `status` is read as --verbose prints it (the whole table the
+    tests were written against), unless ``short``: the default view is tests/test_newcomer.py's."""
+    if args and args[0] == "status" and not short and not {"--brief", "--json", "--verbose", "-v"} & set(args):
+        args = (*args, "--verbose")
     return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="sm120patch")
 
 
@@ -332,10 +336,9 @@ def sm120patch_argv(env: ServingEnv, *args: str, python: str = sys.executable) -
             *args[1:]]
 
 
-def run_as_nobody(argv: list[str], shared: Path, **env: str) -> subprocess.CompletedProcess:
-    """``argv`` (a ``python -m sm120patch ...`` line) run as the user nobody, from a
-    world-readable copy of sm120patch, its data and the libraries it imports, made once under
-    ``shared`` (nobody may not be able to read this checkout: a 0700 temporary clone)."""
+def readable_copy(shared: Path) -> Path:
+    """A world-readable copy of sm120patch (src/, its data) and of the libraries it imports
+    (deps/), made once under ``shared``: what another user's interpreter can import."""
     import click
     import libcst
     import packaging
@@ -348,6 +351,14 @@ def run_as_nobody(argv: list[str], shared: Path, **env: str) -> subprocess.Compl
         for module in (libcst, click, packaging):
             shutil.copytree(Path(module.__file__).parent, copy / "deps" / module.__name__)
         subprocess.run(["chmod", "-R", "a+rX", str(copy)], check=True)
+    return copy
+
+
+def run_as_nobody(argv: list[str], shared: Path, **env: str) -> subprocess.CompletedProcess:
+    """``argv`` (a ``python -m sm120patch ...`` line) run as the user nobody, from a
+    world-readable copy of sm120patch, its data and the libraries it imports, made once under
+    ``shared`` (nobody may not be able to read this checkout: a 0700 temporary clone)."""
+    copy = readable_copy(shared)
     return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv],
                           capture_output=True, text=True, cwd="/",
                           env=dict(os.environ, PYTHONPATH=f"{copy / 'src'}{os.pathsep}{copy / 'deps'}", **env))

@@ -265,7 +265,8 @@ def test_a_crossover_limits_both_recommendations():
     rec = report.recommendation()
     assert rec.sglang is None and rec.sglang_text.startswith("fused wins up to 64 tokens")
     # What makes SGLang keep to it, as it can be copied (no SGLang setting does).
-    assert "`sm120patch bench --tune`" in rec.sglang_text and "`sm120patch apply --with tuned-limits`" in rec.sglang_text
+    assert "bench --tune --hidden 4096 --python /srv/env/bin/python`" in rec.sglang_text
+    assert "`sm120patch apply --with tuned-limits --python /srv/env/bin/python`" in rec.sglang_text
     assert rec.vllm_max_size_mb == 0.5
     assert "slower from 512 tokens (4 MiB)" in render_bench(report)
 

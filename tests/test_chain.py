@@ -165,7 +165,7 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
     assert applied.exit_code == 0
     last = applied.output.splitlines()[-4:]
     assert last == [f"next: 1. `{commands(sm120patch, 'build')}` (compiles trtllm_comm now, so that the start does not)",
-                    f"      2. `{commands(sm120patch, 'bench --tune --model PATH')}` (measures where fusion wins on these GPUs; "
+                    f"      2. `{commands(sm120patch, 'bench --tune --model YOUR_MODEL_DIR')}` (measures where fusion wins on these GPUs; "
                     "`apply --with tuned-limits` then keeps the server to it)",
                     f"      3. restart the server with `{FLAG}`",
                     "      4. check-log on its log says whether it fused (`sm120patch check-log --help`)"]
@@ -174,7 +174,7 @@ def test_status_and_apply_end_with_the_next_step_from_the_chain(sm120patch):
     assert sm120patch("status").output.splitlines()[-4:] == last
     assert json.loads(sm120patch("status", "--json").output)["next"] == [
         {"command": commands(sm120patch, "build"), "reason": "compiles trtllm_comm now, so that the start does not"},
-        {"command": commands(sm120patch, "bench --tune --model PATH"),
+        {"command": commands(sm120patch, "bench --tune --model YOUR_MODEL_DIR"),
          "reason": "measures where fusion wins on these GPUs; `apply --with tuned-limits` then keeps the server to it"},
         {"command": None, "reason": f"restart the server with {FLAG}"},
         {"command": None, "reason": "check-log on its log says whether it fused"}]
@@ -194,7 +194,7 @@ def test_the_tp_step_says_which_limits_are_in_force(sm120patch, tmp_path, monkey
     untuned = tp()
     assert untuned["result"] == "ok"
     assert untuned["text"].startswith("untuned: SGLang fuses every batch of up to 2048 tokens")
-    assert untuned["note"].startswith(f"`{commands(sm120patch, 'bench --tune --model PATH')}` (measures where fusion wins")
+    assert untuned["note"].startswith(f"`{commands(sm120patch, 'bench --tune --model YOUR_MODEL_DIR')}` (measures where fusion wins")
     software = {"flashinfer-python": FLASHINFER_VERSION, "sglang": SGLANG_VERSION, "torch": "2.11.0+cu130"}
     entry = {"created": "2026-12-05T01:30:00Z", "software": software, "nccl_env": {}, "dtype": "bf16", "hidden": 4096,
              "fused_max_bytes": 64 * 4096 * 2, "oneshot_max_bytes": 16 * 4096 * 2}
@@ -222,7 +222,7 @@ def test_the_tp_step_says_which_limits_are_in_force(sm120patch, tmp_path, monkey
     assert gone["result"] == "warn"
     assert gone["text"].startswith(f"tuned-limits applied, but no profile holds here (no profile at {profile}): the "
                                    "release's own limits apply, tuned on NVLink B200s (SGLang fuses every batch")
-    assert gone["fix"] == commands(sm120patch, "bench --tune --model PATH")
+    assert gone["fix"] == commands(sm120patch, "bench --tune --model YOUR_MODEL_DIR")
     chain = fusion_of(sm120patch)
     assert chain["verdict"] == "will fuse"
     assert "; tuned-limits applied but no profile holds: the release's B200 limits apply" in chain["headline"]

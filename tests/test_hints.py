@@ -204,6 +204,11 @@ def test_the_demo_writes_nothing_outside_its_directory(tmp_path, wheel_cache, fl
     assert changed(before, tree_snapshot(home) | tree_fingerprint(wheel_cache)) == []
     assert "(exit code 1: something is not patched" in ran.stdout
     assert sorted(p.name for p in (demo / "wheels").iterdir()) == sorted([flashinfer_wheel.name, sglang_wheel.name])
+    # Each step under a screen, and one summary line at the end (issue #64).
+    steps = ran.stdout.split("\n$ sm120patch ")[1:]
+    assert len(steps) == 5 and all(len(step.splitlines()) <= 30 for step in steps), [len(s.splitlines()) for s in steps]
+    assert ran.stdout.splitlines()[-1].startswith("demo: exit codes status 1 -> apply 0 -> status 0 -> revert 0 -> "
+                                                  "status 1; site-packages after revert: byte-identical")
 
 
 @pytest.mark.wheels  # it installs sm120patch from PyPI's click, libcst, packaging, gitpython

@@ -161,20 +161,3 @@ def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server
         reverted = subprocess.run([*program, "revert", *where], capture_output=True, text=True, env=environ, timeout=900)
         assert reverted.returncode == 0, reverted.stdout + reverted.stderr
     assert snapshot(server_env) == before
-
-
-def test_the_measuring_command_runs_as_printed_under_sudo(monkeypatch, tmp_path):
-    """The tp step's `bench --tune`: for one model (bench refuses --tune without one), and under sudo by
-    the full path of this sm120patch where the profile goes to the default, root-owned path (a pipx or
-    venv install is not on sudo's PATH); a profile named by SM120PATCH_TUNED_LIMITS needs no sudo."""
-    from types import SimpleNamespace
-
-    from sm120patch import pipeline
-
-    located = pipeline.Located(SimpleNamespace(executable=tmp_path / "my env" / "python", chosen_by=""))
-    monkeypatch.delenv("SM120PATCH_TUNED_LIMITS", raising=False)
-    monkeypatch.setattr(pipeline.os, "geteuid", lambda: 1000)
-    python = str(tmp_path / "my env" / "python")
-    assert pipeline.tune_command(located) == f"sudo \"$(command -v sm120patch)\" bench --tune --model PATH --python '{python}'"
-    monkeypatch.setenv("SM120PATCH_TUNED_LIMITS", str(tmp_path / "mine.json"))
-    assert pipeline.tune_command(located) == f"sm120patch bench --tune --model PATH --python '{python}'"

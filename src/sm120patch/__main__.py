@@ -31,6 +31,7 @@ except KeyboardInterrupt:  # one that came before the first line, raised there
     os._exit(130)
 
 import gc
+import os
 import signal
 import sys
 
@@ -119,15 +120,45 @@ def main() -> None:
         from sm120patch import signals
 
         interrupt = None if isinstance(exc, SystemExit) else _interrupt(exc)
-        if interrupt is None and _Starting.noted and signals.STATE.finished:
-            interrupt = KeyboardInterrupt(_Starting.noted[0])  # it came as the command exited
-        if interrupt is None:
+        if interrupt is None and not isinstance(exc, SystemExit):
             raise
-        if not signals.STATE.finished:  # before the command began (its handlers not yet in place)
+        if interrupt is not None and not signals.STATE.finished:  # before the command began (no handlers yet)
             _interrupted(_signum(interrupt))
-        sys.stderr.write(f"sm120patch: interrupted ({signal.Signals(_signum(interrupt)).name}) as it exited; "
+        _exit(exc, interrupt, signals.STATE.committed)
+
+
+def _exit(exc: BaseException, interrupt: BaseException | None, committed: str | None) -> None:
+    """The command has finished (``exc``: its SystemExit, or an interrupt as it unwound): end the
+    process with the code it decided. From here the three signals stay blocked until the process
+    is gone: Python's finalization puts the default handlers back, and a Ctrl-C there would end
+    the process by the signal (the shell's 130, "rolled back") with nothing said, whatever the
+    command did. A signal that came meanwhile, or that waits blocked now, is answered in one line:
+    after a commit point the change stands and the command's own code is kept; otherwise the
+    command had only finished, and 128 + the signal says it was interrupted."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    code = exc.code if isinstance(exc, SystemExit) else 0
+    if not (code is None or isinstance(code, int)):
+        raise exc  # sys.exit("text"): Python's own way of printing it
+    try:  # the report out first: a signal sent on seeing it is then one the check below sees
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a closed stdout: the CLI kept its exit code for this
+        pass
+    came = [_signum(interrupt)] if interrupt is not None else []
+    came += _Starting.noted + sorted(signal.sigpending() & set(HANDLED))
+    if came and committed:
+        sys.stderr.write(f"sm120patch: {signal.Signals(came[0]).name} arrived after the {committed} was committed: "
+                         "the change stands and its cleanup finished\n")
+    elif came:
+        sys.stderr.write(f"sm120patch: interrupted ({signal.Signals(came[0]).name}) as it exited; "
                          "the command had finished\n")
-        sys.exit(128 + _signum(interrupt))
+        code = 128 + came[0]
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    # Nothing is left to run: no finalization, where a signal could still slip past the mask
+    # check above unreported (it stays blocked and goes with the process).
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -465,8 +465,9 @@ def _tp(distribution: Distribution, server: Assessment, commands: Commands, prof
     if applied:
         note = ""
         if commands.tune:
-            note = (f"`{commands.tune}` (measures where fusion wins on these GPUs for the model at PATH, its config.json "
-                    "or directory; the server reads the profile at its next start)")
+            note = (f"`{commands.tune}` (measures where fusion wins on these GPUs for the model you serve: where it "
+                    "says YOUR_MODEL_DIR, that model's directory or its config.json; the server reads the profile at "
+                    "its next start)")
         return Step("tp", StepResult.WARN, f"tuned-limits applied, but no profile holds here ({why}): the release's own "
                     f"limits apply, tuned on NVLink B200s ({untuned})", fix=commands.tune, note=note,
                     summary="tuned-limits applied but no profile holds: the release's B200 limits apply")

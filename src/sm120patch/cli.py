@@ -103,17 +103,9 @@ def handle(exc: BaseException) -> int:
         _stdout_closed()
         return 0
     if isinstance(exc, (KeyboardInterrupt, click.Abort, signals.Interrupted)):
-        signum = getattr(exc, "signum", int(signal.SIGINT))
-        committed = signals.STATE.committed
-        if committed:  # a signal after the write (during a build): the change it made stands
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}) after the {committed} was committed: that "
-                       "change stands (`sm120patch status` shows it); what came after it did not finish", err=True)
-        elif signals.STATE.reading:
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); this command changes nothing", err=True)
-        else:
-            click.echo(f"sm120patch: interrupted ({signals.name(signum)}); any change in progress was rolled back",
-                       err=True)
-        return signals.exit_code(signum)
+        message, code = interrupted(exc)
+        click.echo(f"sm120patch: {message}", err=True)
+        return code
     if isinstance(exc, OSError):  # outside a transaction: reading state, the JIT cache, a lock
         click.echo(one_line(f"sm120patch: error: {_os_error(exc)}"), err=True)
         if isinstance(exc, PermissionError) and exc.filename:  # which user to run as, or which mode to change
@@ -128,6 +120,19 @@ def _os_error(exc: OSError) -> str:
     """An OSError outside a transaction, as its error line says it (after ``error: ``)."""
     where = f" ({exc.filename})" if exc.filename else ""
     return f"{exc.strerror or exc}{where}; nothing was changed"
+
+
+def interrupted(exc: BaseException) -> tuple[str, int]:
+    """What an interrupt says and the code the run exits with: 128 + the signal only where
+    nothing the run changed stands (the README: 130 means rolled back)."""
+    signum = getattr(exc, "signum", int(signal.SIGINT))
+    committed = signals.STATE.committed
+    if committed:  # a signal after the write (during a build): the change it made stands
+        return (f"interrupted ({signals.name(signum)}) after the {committed} was committed: that change stands "
+                "(`sm120patch status` shows it); what came after it did not finish", int(ExitCode.NOT_OK))
+    if signals.STATE.reading:
+        return f"interrupted ({signals.name(signum)}); this command changes nothing", signals.exit_code(signum)
+    return f"interrupted ({signals.name(signum)}); any change in progress was rolled back", signals.exit_code(signum)
 
 
 def _command_name(ctx: click.Context) -> str:
@@ -158,6 +163,12 @@ class Command(click.Command):
             exc.invocation = invocation(ctx)
             if ctx.params.get("as_json") and not _emitted:  # --json: stdout gets a document, always
                 _error_document(ctx, exc.message, exc.hint_line, exc.exit_code)
+            raise
+        except (KeyboardInterrupt, click.Abort, signals.Interrupted) as exc:
+            if ctx.params.get("as_json") and not _emitted:  # --json: a document, interrupted too
+                message, code = interrupted(exc)
+                with signals.held():  # the document whole, even under a second Ctrl-C
+                    _error_document(ctx, message, None, code)
             raise
         except OSError as exc:  # handle() makes it exit 4 with its one line; --json gets its document too
             if ctx.params.get("as_json") and not _emitted and not isinstance(exc, BrokenPipeError):
@@ -388,8 +399,9 @@ def cli(quiet) -> None:
     progress.QUIET = quiet
 
 
-@cli.command(short_help="Show what is installed and patched, stale JIT entries, AOT shadowing.",
+@cli.command(short_help="Will each server fuse, what stands in the way, what to run next (--verbose: all of it).",
              epilog=epilog(["sm120patch status --python ~/ml-env/bin/python3",
+                            "sm120patch status --verbose --python ~/ml-env/bin/python3   # every patch, the chain",
                             "sm120patch status --python ~/ml-env/bin/python3 --json | jq .exit_code",
                             "sm120patch status --source ~/src/flashinfer"],
                            [(0, "everything installed is patched (or fixed upstream)"),
@@ -404,17 +416,25 @@ def cli(quiet) -> None:
 @jit_option
 @click.option("--brief", is_flag=True, help="Only the answer: one line per server, whether it will fuse and what "
               "stands in the way (on a terminal, wrapped to its width, a command never broken).")
+@click.option("--verbose", "-v", is_flag=True, help="The whole table: every patch and who made it, each server's "
+              "fusion chain step by step, the JIT cache entries, notes and pins (--json always has it all).")
 @json_option
-def status(python, source, jit_cache_base, brief, as_json, **selectors):
-    """Show each distribution's version, pinned patch set and the state of every patch (who made
-    it: sm120patch, a hand edit), stale or foreign trtllm_comm JIT entries, AOT shadowing, pins,
-    and an interrupted run. With --source: which patches a git checkout's HEAD has."""
+def status(python, source, jit_cache_base, brief, verbose, as_json, **selectors):
+    """Will each installed server fuse on SM120, and what stands in the way: the answer per
+    server, one line per distribution (its version, patched or not, what is missing or drifted,
+    warnings), and what to run next. --verbose: each distribution's pinned patch set and the
+    state of every patch (who made it: sm120patch, a hand edit), the fusion chain, stale or
+    foreign trtllm_comm JIT entries, AOT shadowing, pins, and an interrupted run. With --source:
+    which patches a git checkout's HEAD has."""
+    if brief and verbose:
+        raise click.UsageError("--brief and --verbose ask for opposite things; give one")
     request = request_from(python=python, source=source, jit_cache_base=jit_cache_base, early_probe=True, **selectors)
     from sm120patch import pipeline, render
 
     if brief:
         return show(pipeline.status(request), as_json, render.render_brief, render.status_json, note=render.brief_note)
-    return show(pipeline.status(request), as_json, render.render_status, render.status_json)
+    text = render.render_status_verbose if verbose else render.render_status
+    return show(pipeline.status(request), as_json, text, render.status_json)
 
 
 @cli.command(short_help="Apply the patch set pinned to each installed release.",
@@ -462,7 +482,8 @@ def apply(with_ids, python, source, dry_run, force, build_, arch, jit_cache_base
 @cli.command(short_help="Build trtllm_comm into the server's JIT cache, so its next start compiles nothing.",
              epilog=epilog(["sm120patch build --python ~/ml-env/bin/python3",
                             "sm120patch build --python /opt/venv/bin/python --arch 12.0a   # an image build, no GPU",
-                            "sudo sm120patch build --python ~svc/env/bin/python   # builds as svc, in svc's cache"],
+                            "sudo \"$(command -v sm120patch)\" build --python ~svc/env/bin/python   # builds as "
+                            "svc, in svc's cache"],
                            [(0, "built, and proven to be the entry FlashInfer loads at start"),
                             (1, "the build failed (its last lines are shown; no half-written entry is left)"),
                             (2, "bad input: an option, --python; what the build needs (torch, ninja, nvcc, an arch) "
@@ -596,7 +617,9 @@ def _world_size(value):
 @cli.command(short_help="Check the fused allreduce against NCCL on this machine's GPUs, time it, recommend.",
              epilog=epilog(["sm120patch bench --python ~/sglang-env/bin/python3",
                             "sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tokens 1,8,64,512 --hidden 7168",
-                            "sudo sm120patch bench --python ~/sglang-env/bin/python3 --tp 4 --tune --model ~/models/llama/config.json"],
+                            "sudo \"$(command -v sm120patch)\" bench --tune --tp 4 \\\n"
+                            "    --model ~/models/llama/config.json --python ~/sglang-env/bin/python3   # as root: it "
+                            "writes /etc/sm120patch/tuned-limits.json"],
                            [(0, "every shape matched the reference (and was timed); --tune: and the profile was written"),
                             (1, "a fused result differs from the reference, the kernel crashed or hung, or the "
                                 "workspace created as the installed server creates it was refused; --tune: or a pair "
@@ -623,7 +646,8 @@ def _world_size(value):
                    "timed in repetitions; then sizes between two of --tokens until each limit is within 10 % of its "
                    "crossover) and write the limits into the profile the patched servers read.")
 @click.option("--model", metavar="PATH", default=None,
-              help="--tune: the model's config.json (its hidden_size and torch_dtype), instead of --hidden.")
+              help="--tune: the model's config.json, or its directory (its hidden_size and torch_dtype), instead "
+                   "of --hidden.")
 @click.option("--profile", "profile_path", metavar="PATH", default=None,
               help="--tune: where to write the profile. Default: $SM120PATCH_TUNED_LIMITS, else "
                    "/etc/sm120patch/tuned-limits.json (where the servers look).")

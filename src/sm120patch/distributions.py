@@ -10,6 +10,7 @@ a :class:`Distribution`, never compares a distribution's name.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -92,6 +93,15 @@ class FusionFlag(NamedTuple):
 
     versions: SpecifierSet
     flag: str
+    # vLLM: the pass config's keys that turn the pass on and size it (one value in MB for every
+    # TP size), and the size status names where no profile of this box holds ("": none).
+    switch: str = ""
+    sizing: str = ""
+    untuned_mb: float | None = None
+
+    def compilation_config(self, size_mb: float) -> str:
+        """One --compilation-config that turns the pass on and sizes it, as a shell takes it."""
+        return f"--compilation-config '{json.dumps({'pass_config': {self.switch: True, self.sizing: size_mb}})}'"
 
 
 def _pair_matches(versions: SpecifierSet, with_: SpecifierSet, version: Version | None,
@@ -379,9 +389,13 @@ class Distribution(NamedTuple):
 
     def fusion_flag(self, version: Version | None) -> str | None:
         """The option that turns fusion on in this release (None: the distribution names none)."""
+        found = self.fusion_flag_row(version)
+        return found.flag if found is not None else None
+
+    def fusion_flag_row(self, version: Version | None) -> FusionFlag | None:
         if version is None:
             return None
-        return next((f.flag for f in self.fusion_flags if f.versions.contains(version, prereleases=True)), None)
+        return next((f for f in self.fusion_flags if f.versions.contains(version, prereleases=True)), None)
 
     def advice_for(self, version: Version | None, applied: frozenset[str] | None = None,
                    with_version: Version | None = None) -> list[Advice]:
@@ -502,7 +516,14 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
         gwhere = f"{where}: fusion_flag #{index + 1}"
         if not isinstance(raw.get("flag"), str) or not raw["flag"] or not isinstance(raw.get("versions"), str):
             raise PatchDataError(f"{gwhere}: needs versions (a version specifier) and flag")
-        flags.append(FusionFlag(specifier(raw["versions"], gwhere), raw["flag"]))
+        sized = {key: raw.get(key, "") for key in ("switch", "sizing")}
+        untuned = raw.get("untuned_mb")
+        if not all(isinstance(v, str) for v in sized.values()) or bool(sized["switch"]) != bool(sized["sizing"]) or (
+                sized["sizing"] and (isinstance(untuned, bool) or not isinstance(untuned, (int, float)) or untuned <= 0)):
+            raise PatchDataError(f"{gwhere}: switch and sizing are pass config keys, given together, with untuned_mb "
+                                 "(a size in MB above 0)")
+        flags.append(FusionFlag(specifier(raw["versions"], gwhere), raw["flag"], **sized,
+                                untuned_mb=float(untuned) if untuned is not None else None))
     paths = []
     for index, raw in enumerate(doc.get("fusion_path", [])):
         fwhere = f"{where}: fusion_path #{index + 1}"

@@ -11,7 +11,7 @@ happens under the lock: two runs at once behave as if one ran after the other.
 
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -245,6 +245,7 @@ def _status(request: Request, registry: Registry, located: Located, device) -> S
     return StatusReport(located.target, located.env.python_version if located.env else None, trees, aot,
                         chosen_by=located.chosen_by,
                         registry_names=registry.names, apply_command=located.command("apply"),
+                        verbose_command=located.command("status --verbose"),
                         orphans=[o for d in site_dirs for o in orphans(d)],
                         temporaries=[p for d in site_dirs if not journal_at(d).exists() for p in temporaries(d)],
                         exposed=_exposed([*site_dirs, *(t.jit.base.path for t in trees if t.jit is not None)]))
@@ -268,11 +269,6 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
         return trees
     assessed = [t.assessment for t in trees]
     by_name = {t.distribution.name: t for t in trees}
-    commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
-                              doctor=located.command("doctor"), bench=located.command("bench"),
-                              status=located.command("status"), diff=command("diff", located.options[0]),
-                              tune=tune_command(located), apply_tuned=located.command("apply --with tuned-limits"),
-                              verify_tuned=located.command("verify --tuned"))
     profile = None
     if any(t.distribution.fusion_paths for t in trees):
         versions = {t.assessment.name: t.assessment.raw_version for t in trees}
@@ -282,9 +278,16 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
         if torch is not None:
             versions["torch"] = torch.raw_version
         profile = tunedlimits.read(versions)
+    commands = chain.Commands(apply=located.command("apply"), build=located.command("build"),
+                              doctor=located.command("doctor"), bench=located.command("bench"),
+                              status=located.command("status"), diff=command("diff", located.options[0]),
+                              tune=tunedlimits.tune_command(located.options, profile),
+                              apply_tuned=located.command("apply --with tuned-limits"),
+                              verify_tuned=located.command("verify --tuned"))
     judged = []
     for item in trees:
         d = item.distribution
+        item = item._replace(compilation_config=_compilation_config(item, profile))
         if d.fusion_paths:
             kernels = by_name.get(d.fusion_with)
             item = item._replace(chain=chain.evaluate(
@@ -295,15 +298,20 @@ def _chains(trees: list[TreeStatus], located: Located, aot: list, device) -> lis
     return judged
 
 
-def tune_command(located: Located) -> str:
-    """`bench --tune` for this target, as it runs when copied: it measures for one model (PATH: its
-    config.json or directory), and the default profile path (/etc/sm120patch) needs root, which
-    sudo gives only with the full path of this sm120patch (a pipx or venv install is not on
-    sudo's PATH). A profile named by SM120PATCH_TUNED_LIMITS is the caller's own: no sudo."""
-    words = located.command("bench --tune --model PATH")
-    if tunedlimits.location()[1] or os.geteuid() == 0:
-        return words
-    return 'sudo "$(command -v sm120patch)"' + words.removeprefix("sm120patch")
+def _compilation_config(item: TreeStatus, profile) -> str:
+    """vLLM's one --compilation-config for this box, with where its size comes from: the fused
+    limit `bench --tune` measured here (the smallest over the TP sizes the profile holds for:
+    vLLM takes one value for every TP size), else the data's untuned size."""
+    row = item.distribution.fusion_flag_row(item.tree.version)
+    if row is None or not row.sizing:
+        return ""
+    if profile is not None and profile.usable:
+        entry = min(profile.entries, key=lambda e: e.fused_max_bytes)
+        size = math.floor(entry.fused_max_bytes / 2 ** 20 * 100) / 100
+        return (f"`{row.compilation_config(size)}` ({size:g} MB: the fused limit `bench --tune` measured on this box "
+                f"at TP{entry.tp}, {profile.path})")
+    return (f"`{row.compilation_config(row.untuned_mb)}` ({row.untuned_mb:g} MB: not measured on this box, "
+            "fusion-table's smallest SM120 limit; bench --tune measures this box's)")
 
 
 def _fusion_with(located: Located, tree: Worktree):

@@ -77,8 +77,31 @@ def fill(first: str, text: str, hang: str, *, columns: int | None = None) -> lis
         lambda m: m.group(0).replace(" ", _KEPT), text))
     lines = textwrap.wrap(kept, width=columns, initial_indent=first, subsequent_indent=hang,
                           break_long_words=False, break_on_hyphens=False)
-    return [(_closest(line.strip(), hang, columns) if len(line) > columns and line.startswith(hang) else line)
-            .replace(_KEPT, " ") for line in lines]
+    lines = [(_closest(line.strip(), hang, columns) if len(line) > columns and line.startswith(hang) else line)
+             .replace(_KEPT, " ") for line in lines]
+    return _labels_kept(lines, columns)
+
+
+_LABEL_ALONE = re.compile(r"( *)((?:next: +)?\d+\.|[a-z]+:)")
+
+
+def _labels_kept(lines: list[str], columns: int) -> list[str]:
+    """A label (``fix:``, ``check:``, ``note:``, ``next: 1.``) left alone at the end of a line
+    with its command on the next: the two on one line, where the label was if they fit there,
+    else four spaces in, else two (a command wider than the terminal, which the terminal folds
+    anyway, too). Never the label here and its command at the terminal's right edge."""
+    kept: list[str] = []
+    for line in lines:
+        label = _LABEL_ALONE.fullmatch(kept[-1]) if kept else None
+        if label is not None and line.lstrip().startswith("`"):
+            joined = f"{label.group(2)} {line.strip()}"
+            at = len(label.group(1))
+            indent = next((i for i in dict.fromkeys((at, min(at, 4), min(at, 2))) if i + len(joined) <= columns),
+                          min(at, 2))
+            kept[-1] = " " * indent + joined
+            continue
+        kept.append(line)
+    return kept
 
 
 def _closest(word: str, hang: str, columns: int) -> str:
@@ -211,7 +234,8 @@ def _chain_lines(chain: Chain) -> list[str]:
     for step in chain.steps:
         lines += fill(f"    {step.id:<{width}}  {step.result.value:<7}  ", step.text, column)
         if step.result is not StepResult.OK and step.fix:
-            # What ends a block fixes it; what ends an unknown reads what is not known.
+            # What ends a block fixes it; what ends an unknown reads what is not known (fill
+            # keeps the label on its command's line).
             word = "fix" if step.result is StepResult.BLOCKS else "check"
             lines += fill(column, f"{word}: `{step.fix}`", column)
         if step.note:
@@ -236,20 +260,90 @@ def chain_json(chain: Chain) -> dict:
     }
 
 
-def render_status(report: StatusReport) -> str:
-    columns = COLUMNS
+def _answer_lines(report: StatusReport) -> list[str]:
+    """What both views of status begin with: the target, and every server's verdict over the
+    whole chain."""
     lines = [f"Python {report.target} ({report.python_version})" if report.python_version else f"Checkout {report.target}"]
     if report.chosen_by:
         lines.append(f"  (no --python given: {report.chosen_by}; --python names your server's interpreter)")
     chains = [item.chain for item in report.trees if item.chain is not None]
     if chains:
-        # The answer first: every server's verdict over the whole chain (its steps are below it).
         lines.append("")
         lines.append("Will it fuse?")
         lines += [f"  {'!' if c.verdict == 'will not fuse' else '-'} {c.headline}" for c in chains]
     if not report.trees:
         lines.append(f"  none of the distributions sm120patch patches ({', '.join(report.registry_names)}) is installed here: "
                      "nothing here is patched (exit code 1); --python names the interpreter your server runs")
+    return lines
+
+
+def _in_the_way(item: TreeStatus) -> str:
+    """One distribution in one line: version, patched or not, and what stands in the way (the
+    required patches not applied, by their state; the server's chain steps that block or are not
+    known; stale JIT entries)."""
+    a = item.assessment
+    said = [a.verdict.value]
+    if a.patch_set is None and a.reason:
+        said.append(a.reason)
+    elif a.patch_set is not None:
+        by_state: dict[str, list[str]] = {}
+        for patch in a.patch_set.patches:
+            if item.tree.judged_by_meaning:  # a checkout: what its files have, by meaning (as --verbose)
+                state = State.APPLIED if item.by_meaning.get(patch.id, False) else State.PRISTINE
+            else:
+                state = a.patch_state(patch)
+            if patch.required and state is not State.APPLIED:
+                by_state.setdefault(state.value, []).append(patch.id)
+        for state, ids in by_state.items():
+            if state == State.PRISTINE.value and len(ids) > 3:
+                said.append(f"{len(ids)} patches to apply")
+            else:
+                said.append(f"{', '.join(ids)} {'to apply' if state == State.PRISTINE.value else state}")
+    if item.chain is not None:
+        for result, word in ((StepResult.BLOCKS, "blocked at"), (StepResult.UNKNOWN, "not known")):
+            # The GPUs are never read by status (the headline names doctor, which reads them).
+            steps = [step.id for step in item.chain.steps if step.result is result and step.id != "device"]
+            if steps:
+                said.append(f"fusion {word}: {', '.join(steps)}")
+    if item.jit is not None and item.jit.stale:
+        said.append(f"{counted(len(item.jit.stale), 'stale JIT entry', 'stale JIT entries')}")
+    words = item.tree.words
+    return f"  {words.heading}: {'; '.join(said)}"
+
+
+def render_status(report: StatusReport) -> str:
+    """`status`: the answer per server, one line per distribution (and its warnings), and what to
+    do next: a screen. Every patch, the fusion chain's steps and the JIT cache: --verbose."""
+    lines = _answer_lines(report)
+    if report.trees:
+        lines.append("")
+    for item in report.trees:
+        lines.append(_in_the_way(item))
+        if item.routed_from is not None:
+            lines.append(f"    editable install of {item.routed_from}: `apply` patches that checkout as a commit")
+        if item.assessment.patch_set is not None:
+            lines += [f"  {line}" for line in _file_notes(item, report)]
+        lines += [f"    ! {text}" for level, text in item.advice_lines() if level == "warn"]
+        if item.branch_error is not None:
+            raise item.branch_error
+    for shadow in report.aot:
+        lines.append(f"  ! AOT: {shadow.path} ({shadow.source}): {AOT_HINT}")
+    if report.orphans or report.temporaries:
+        lines.append(f"  ! left behind: {counted(len(report.orphans) + len(report.temporaries), 'item')} "
+                     f"(`{report.apply_command}` or a revert removes it)")
+    following = status_next(report)
+    if following:
+        lines.append("")
+        lines.extend(_next_lines(following))
+    if report.trees:
+        lines.append(f"every patch, the fusion chain and the JIT cache: `{report.verbose_command}`")
+    return coloured(fit("\n".join(lines)))
+
+
+def render_status_verbose(report: StatusReport) -> str:
+    """`status --verbose`: the answer, then every distribution's whole table."""
+    columns = COLUMNS
+    lines = _answer_lines(report)
     for item in report.trees:
         a, tree, distribution = item.assessment, item.tree, item.distribution
         lines.append("")

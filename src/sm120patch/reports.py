@@ -35,10 +35,14 @@ class TreeStatus(NamedTuple):
     with_raw_version: str = ""  # the installed release of the distribution's fusion_with
     branch: str | None = None  # sm120patch's branch in a checkout
     branch_error: Sm120PatchError | None = None  # its note could not be read: the text report says so
+    # vLLM: the one --compilation-config that turns its pass on and sizes it for this box, in
+    # words (the value and where it comes from); advice names it as {compilation_config}.
+    compilation_config: str = ""
 
     def advice_lines(self, *, bench: bool = False) -> list[tuple[str, str]]:
         """(level, sentence) for each piece of advice (``bench``: only what bench prints too)."""
-        return [(a.level, a.render(self.assessment.raw_version, self.with_raw_version))
+        return [(a.level, a.render(self.assessment.raw_version, self.with_raw_version)
+                 .replace("{compilation_config}", self.compilation_config))
                 for a in self.advice if a.bench or not bench]
 
     @property
@@ -58,6 +62,7 @@ class StatusReport(NamedTuple):
     chosen_by: str = ""  # no --python: why this interpreter is the target
     registry_names: tuple[str, ...] = ()
     apply_command: str = "sm120patch apply"  # for this same target, as it can be copied
+    verbose_command: str = "sm120patch status --verbose"  # the whole table, for this same target
     orphans: Sequence[Orphan] = ()  # state of installs that are gone, in the install locations looked at
     temporaries: Sequence[Path] = ()  # files a killed run left in the state roots
     exposed: Sequence[tuple[Path, str]] = ()  # as root: directories on the way to a target another user can change, and who

@@ -20,6 +20,7 @@ import os
 from typing import Mapping, NamedTuple
 
 from sm120patch import _tuned_runtime as runtime
+from sm120patch.invocation import Invocation
 
 PATCH_ID = "tuned-limits"  # the opt-in patch of each server that reads the profile
 ENV = "SM120PATCH_TUNED_LIMITS"
@@ -76,6 +77,41 @@ def size(n: int) -> str:
 def location(environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
     environ = os.environ if environ is None else environ
     return (environ[ENV], True) if environ.get(ENV) else (DEFAULT, False)
+
+
+# What `bench --tune` is printed with where sm120patch cannot know the model the server runs (a
+# guessed hidden size would write limits the server then trusts, for the wrong shapes): the one
+# word the user replaces, with the directory the server's --model-path / --model names.
+MODEL_PLACEHOLDER = "YOUR_MODEL_DIR"
+# sudo's PATH has no pipx or venv install in it: the user's shell finds sm120patch before sudo runs.
+AS_ROOT = 'sudo "$(command -v sm120patch)"'
+
+
+def needs_root(path: str) -> bool:
+    """Whether writing the profile at ``path`` takes root here: this process is not root and
+    cannot replace the file (a new one goes in beside it, then over it) or make its directory."""
+    if os.geteuid() == 0:
+        return False
+    directory = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # the tuner makes the directories that are missing
+    return not os.access(directory, os.W_OK | os.X_OK)
+
+
+def tune_command(options: tuple[tuple[str, str | None], ...], profile: Profile | None,
+                 environ: Mapping[str, str] | None = None, *, hidden: int | None = None) -> str:
+    """`bench --tune` for this target, as it runs when pasted: ``hidden`` where the caller knows
+    it, the model's hidden size where a profile for this box already has one (measured again, for
+    the same model), else :data:`MODEL_PLACEHOLDER`; through sudo where this user cannot write
+    the profile (with --profile when SM120PATCH_TUNED_LIMITS names it, which sudo does not pass on)."""
+    path, from_env = location(environ)
+    if hidden is None and profile is not None and profile.usable:
+        hidden = profile.entries[0].hidden
+    model = (("--hidden", str(hidden)),) if hidden is not None else (("--model", MODEL_PLACEHOLDER),)
+    root = needs_root(path)
+    where = (("--profile", path),) if root and from_env else ()
+    line = str(Invocation("bench --tune", (*model, *options, *where)))
+    return f"{AS_ROOT} {line.partition(' ')[2]}" if root else line
 
 
 def load(path: str) -> tuple[dict | None, str]:

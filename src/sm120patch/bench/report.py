@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from sm120patch.bench.limits import Limits
 from sm120patch.bench.preflight import BenchRequest
 from sm120patch.errors import CheckFailedError, ExitCode
+from sm120patch.invocation import Invocation
+from sm120patch.tunedlimits import tune_command
 from sm120patch.words import counted
 
 # SGLang uses the fused path for batches of up to this many tokens (FUSE_ALLREDUCE_MAX_BATCH_SIZE).
@@ -122,9 +124,13 @@ class BenchReport:
                             f"batch size (SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens)")
         else:
             cut = min((limit for limit in limits if limit), key=lambda c: c.tokens)
+            target = (("--python", str(self.request.python)),) if self.request.python else ()
+            target += (("--jit-cache-base", str(self.request.jit_base)),) if self.request.jit_base else ()
+            tune = tune_command(target, None, hidden=cut.hidden)
             sglang = (None, f"fused wins up to {counted(cut.tokens, 'token')} (decode, speculative verify) and loses "
-                            f"beyond, but SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens: `sm120patch bench "
-                            f"--tune` measures the limits and `sm120patch apply --with tuned-limits` makes SGLang fuse "
+                            f"beyond, but SGLang fuses batches of up to {SGLANG_MAX_FUSED_TOKENS} tokens: `{tune}` "
+                            f"measures the limits at hidden {cut.hidden} (another model: --model its directory instead) and "
+                            f"`{str(Invocation('apply --with tuned-limits', target[:1]))}` makes SGLang fuse "
                             f"only up to them; without that, turn {self.sglang_flag} on only if your batches stay there")
         smallest = min((limit for limit in limits if limit), key=lambda c: c.bytes, default=None)
         if smallest is None or loses_at_start:
