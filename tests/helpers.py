@@ -376,3 +376,29 @@ def undefined(library: Path) -> set[str]:
     text = subprocess.run(["nm", "-D", "--undefined-only", "--format=just-symbols", str(library)],
                           capture_output=True, text=True, check=True).stdout
     return set(text.split())
+
+
+# What a test script in the serving interpreter runs first to hold vLLM's fusion file (``path``) as
+# patched: its two fusion tables, the one-shot selector, and every name sm120patch inserted (the
+# narrowing runs as the module runs it at import), with what they log collected in ``logged``. The
+# script imports ast, json, logging, sys and types and sets ``path`` before it.
+VLLM_TUNED_MODULE = r"""logged = []
+class Handler(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+logging.getLogger().addHandler(Handler())
+logging.getLogger().setLevel(logging.INFO)
+KEEP = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB", "MiB",
+        "_select_flashinfer_allreduce_use_oneshot")
+def wanted(node):
+    if isinstance(node, ast.FunctionDef):
+        return node.name in KEEP or node.name.startswith("_sm120patch")
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):  # the narrowing, as the module runs it
+        return isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("_sm120patch")
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return any(isinstance(t, ast.Name) and (t.id in KEEP or t.id.lower().startswith("_sm120patch")) for t in targets)
+module = types.ModuleType("vllm_fusion")
+tree = ast.parse(open(path).read())
+exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
+MiB = 1024 * 1024
+"""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COMMUNICATOR, Session, snapshot
+from helpers import COMMUNICATOR, VLLM_TUNED_MODULE, Session, snapshot
 from sm120patch import _tuned_runtime as rt
 from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
@@ -264,25 +264,7 @@ def fused_calls(env, profile: Path, tp: int) -> dict:
 VLLM_SCRIPT = r"""
 import ast, json, logging, sys, types
 path, profile_written = sys.argv[1], sys.argv[2] == "1"
-logged = []
-class Handler(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logging.getLogger().addHandler(Handler())
-logging.getLogger().setLevel(logging.INFO)
-KEEP = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB", "MiB",
-        "_select_flashinfer_allreduce_use_oneshot")
-def wanted(node):
-    if isinstance(node, ast.FunctionDef):
-        return node.name in KEEP or node.name.startswith("_sm120patch")
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):  # the narrowing, as the module runs it
-        return isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("_sm120patch")
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return any(isinstance(t, ast.Name) and (t.id in KEEP or t.id.lower().startswith("_sm120patch")) for t in targets)
-module = types.ModuleType("vllm_fusion")
-tree = ast.parse(open(path).read())
-exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
-MiB = 1024 * 1024
+""" + VLLM_TUNED_MODULE + r"""
 out = {"fused": module.FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(120), "oneshot": module._FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB.get(120),
        "log": [line for line in logged if line.startswith("sm120patch")]}
 select = module.__dict__.get("_select_flashinfer_allreduce_use_oneshot")

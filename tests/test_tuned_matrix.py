@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from helpers import VLLM_TUNED_MODULE
 from sm120patch import _tuned_runtime as rt
 from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
@@ -60,25 +61,7 @@ VLLM_SCRIPT = r"""
 import ast, json, logging, sys, types
 path = sys.argv[1]
 sizes = json.loads(sys.argv[2])
-logged = []
-class Handler(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logging.getLogger().addHandler(Handler())
-logging.getLogger().setLevel(logging.INFO)
-KEEP = ("FI_ALLREDUCE_FUSION_MAX_SIZE_MB", "_FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB", "MiB",
-        "_select_flashinfer_allreduce_use_oneshot")
-def wanted(node):
-    if isinstance(node, ast.FunctionDef):
-        return node.name in KEEP or node.name.startswith("_sm120patch")
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        return isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("_sm120patch")
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return any(isinstance(t, ast.Name) and (t.id in KEEP or t.id.lower().startswith("_sm120patch")) for t in targets)
-module = types.ModuleType("vllm_fusion")
-tree = ast.parse(open(path).read())
-exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
-MiB = 1024 * 1024
+""" + VLLM_TUNED_MODULE + r"""
 fused = module.FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(120)
 oneshot_row = module._FI_ALLREDUCE_ONE_SHOT_MAX_SIZES_MB.get(120)
 select = module.__dict__.get("_select_flashinfer_allreduce_use_oneshot")

@@ -982,7 +982,7 @@ def test_tuned_on_this_box_names_what_status_cannot_see_the_servers_nccl_setting
     assert [e.tp for e in view.entries] == [4] and view.entries[0].unchecked == ()
     assert view.others == ("TP8: tuned with torch 2.9.0, here 2.11.0+cu130",)
     sglang = load_registry(full=False).get("sglang")
-    server = SimpleNamespace(name="sglang", raw_version="0.5.9", applied_ids=frozenset({tunedlimits.PATCH_ID}),
+    server = SimpleNamespace(name="sglang", raw_version="0.5.9", applied_ids=frozenset({tunedlimits.PATCH_ID}), former_ids=(),
                              patch_set=SimpleNamespace(patches=[SimpleNamespace(id=tunedlimits.PATCH_ID)]))
     step = chain._tp(sglang, server, chain.Commands(*["sm120patch x"] * 6), view)
     assert step.text.startswith(f"tuned on this box ({path}, ")

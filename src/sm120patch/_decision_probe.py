@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import traceback
-import types
 
 request = json.loads(sys.argv[1])
 out = {"device": None, "cases": []}

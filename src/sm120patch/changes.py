@@ -7,10 +7,11 @@ from __future__ import annotations
 import difflib
 import os
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
-from sm120patch import dirfd, driver, jitbuild, jitcache, signals, tunedlimits
+from sm120patch import decisions, dirfd, driver, jitbuild, jitcache, signals, tunedlimits
 from sm120patch.assess import Assessment, assess
 from sm120patch.distributions import Registry, load_registry
 from sm120patch.errors import (BuildInterrupted, NewerFormatError, RefusedError, Sm120PatchError, TunedCodeError,
@@ -215,8 +216,7 @@ def _write_target(located: Located, request: Request, report: ChangeReport | Non
                   plans: Sequence[Plan] = ()) -> WriteTarget:
     check = None
     if report is not None and located.env is not None and TUNED in request.with_ids:
-        def check() -> None:
-            tuned_check(located, plans, report)
+        check = partial(tuned_check, located, plans, report)
     return WriteTarget(located.installed, located.state_dirs, located.command("revert --force"),
                        jit_base=request.jit_base, on_wait=request.on_wait, check=check)
 
@@ -226,8 +226,6 @@ def tuned_check(located: Located, plans: Sequence[Plan], report: ChangeReport) -
     server's own decision code under the profile (verify --tuned), in the target interpreter. Code
     that raises or does not import refuses the apply, and the transaction rolls it back; the
     results land in the report (a check that could not run there says why, and the apply stands)."""
-    from sm120patch import verify
-
     servers = [p for p in plans if p.assessment.patch_set is not None and p.assessment.tree in located.installed
                and any(patch.id == TUNED for patch in p.assessment.patch_set.patches)]
     if not servers:
@@ -236,7 +234,7 @@ def tuned_check(located: Located, plans: Sequence[Plan], report: ChangeReport) -
     report.tuned_profile = profile
     for plan in servers:
         a = plan.assessment
-        found = verify.tuned_checks_for(Path(located.target), f"{a.name} {a.raw_version}", a.distribution,
+        found = decisions.tuned_checks_for(Path(located.target), f"{a.name} {a.raw_version}", a.distribution,
                                         a.patch_set, profile)
         report.tuned += found
         broken = next((r for r in found if r.broken), None)

@@ -71,21 +71,8 @@ def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[st
         _remove_made(made)
         raise TransactionError(f"cannot lock {what} {path}: {exc.strerror}; nothing was changed") from None
     try:
-        deadline = time.monotonic() + timeout
-        told = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-            if time.monotonic() >= deadline:
-                raise TransactionError(f"{busy}; gave up after {timeout:g} s; nothing was changed", hint=hint)
-            if on_wait and not told:
-                on_wait(f"waiting: {busy} ...")
-                told = True
-            time.sleep(0.1)
+        _take(fd, fcntl.LOCK_EX, timeout, on_wait, f"waiting: {busy} ...", 0.1,
+              lambda: TransactionError(f"{busy}; gave up after {timeout:g} s; nothing was changed", hint=hint))
     except BaseException:
         os.close(fd)
         raise
@@ -96,6 +83,27 @@ def flock(path: Path, *, what: str, timeout: float | None, on_wait: Callable[[st
         raise
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _take(fd: int, operation: int, timeout: float, on_wait: Callable[[str], None] | None, waiting: str,
+          pause: float, gave_up: Callable[[], BaseException]) -> None:
+    """flock ``fd`` (``operation``: LOCK_EX or LOCK_SH) within ``timeout`` seconds, trying every
+    ``pause``; ``waiting`` is said once through ``on_wait`` while it waits; past the timeout
+    ``gave_up()`` is raised."""
+    deadline, told = time.monotonic() + timeout, False
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise gave_up()
+        if on_wait and not told:
+            on_wait(waiting)
+            told = True
+        time.sleep(pause)
 
 
 def _open_existing(path: Path) -> int:
@@ -177,23 +185,15 @@ def read_locks(site_dirs: Sequence[Path], *, on_wait: Callable[[str], None] | No
             except OSError:  # not there, or not readable: what reads it next says so
                 continue
             stack.callback(os.close, fd)  # closing releases the lock
-            deadline, told = time.monotonic() + timeout, False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                if time.monotonic() >= deadline:
-                    what = busy(site_dir) if busy else f"another sm120patch is changing {site_dir}"
-                    raise TransactionError(
-                        f"a run is in progress: {what}; gave up waiting for it after {timeout:g} s; nothing was read",
-                        hint=f"run again when it has finished ({LOCK_WAIT_VARIABLE}=SECONDS waits longer)")
-                if on_wait and not told:
-                    on_wait(f"waiting: another sm120patch is changing {site_dir} ...")
-                    told = True
-                time.sleep(0.05)
+
+            def gave_up(site_dir=site_dir) -> TransactionError:
+                what = busy(site_dir) if busy else f"another sm120patch is changing {site_dir}"
+                return TransactionError(
+                    f"a run is in progress: {what}; gave up waiting for it after {timeout:g} s; nothing was read",
+                    hint=f"run again when it has finished ({LOCK_WAIT_VARIABLE}=SECONDS waits longer)")
+
+            _take(fd, fcntl.LOCK_SH, timeout, on_wait, f"waiting: another sm120patch is changing {site_dir} ...", 0.05,
+                  gave_up)
     except BaseException:
         stack.close()
         raise

@@ -319,6 +319,8 @@ def render_status(report: StatusReport) -> str:
         lines.append("")
     for item in report.trees:
         lines.append(_in_the_way(item))
+        if item.tree.words.shared_with:  # a copy the interpreter finds through PYTHONPATH: which one a server gets
+            lines.append(f"    ! installed in {item.tree.words.shared_with}")
         if item.routed_from is not None:
             lines.append(f"    editable install of {item.routed_from}: `apply` patches that checkout as a commit")
         if item.assessment.patch_set is not None:
@@ -328,6 +330,8 @@ def render_status(report: StatusReport) -> str:
             raise item.branch_error
     for shadow in report.aot:
         lines.append(f"  ! AOT: {shadow.path} ({shadow.source}): {AOT_HINT}")
+    for directory, who in report.exposed:  # as root: said in both views (--verbose says how the writes go there)
+        lines.append(f"  note: run as root, {directory} and below: {who} can change them")
     if report.orphans or report.temporaries:
         lines.append(f"  ! left behind: {counted(len(report.orphans) + len(report.temporaries), 'item')} "
                      f"(`{report.apply_command}` or a revert removes it)")

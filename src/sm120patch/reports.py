@@ -22,6 +22,17 @@ if TYPE_CHECKING:
 
 # -- status ----------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of `verify` (and of the tuned-limits check `apply` runs before its commit point)."""
+    kind: str  # static / semantic / runtime / compile / build / tuned
+    subject: str
+    ok: bool | None  # None: it could not run (the detail says what it needs)
+    detail: str
+    required: bool = True  # a check that could not run fails verify, unless it is only informative
+    broken: bool = False  # the server's patched code raised or did not import: a server would crash
+
+
 class TreeStatus(NamedTuple):
     assessment: Assessment
     pending: str | None = None  # an interrupted run (or one in progress), in words

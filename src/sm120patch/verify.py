@@ -26,25 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from sm120patch import ptx, runas, signals, tunedlimits
+from sm120patch import ptx, runas, signals
 from sm120patch.assess import State
 from sm120patch.errors import ExitCode, Sm120PatchError
+from sm120patch.decisions import tuned_checks
 from sm120patch.jitbuild import end_group, missing_for_build, start_build
-from sm120patch.reports import StatusReport, TreeStatus
+from sm120patch.reports import CheckResult, StatusReport, TreeStatus
 from sm120patch.semantics import evaluate
 from sm120patch.words import counted
 
 PTX_ARCHS = ("120a", "90a", "100a")
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    kind: str  # static / semantic / runtime / compile / build
-    subject: str
-    ok: bool | None  # None: it could not run (the detail says what it needs)
-    detail: str
-    required: bool = True  # a check that could not run fails verify, unless it is only informative
-    broken: bool = False  # the server's patched code raised or did not import: a server would crash
 
 
 def verify_exit_code(results) -> ExitCode:
@@ -314,173 +305,3 @@ def _build_or_why_not(report: StatusReport, python: Path, progress: Callable[[st
 
 
 # -- tuned: the server's own decisions under the profile -------------------------------------------
-
-TUNED_PATCH = "tuned-limits"
-UNTUNED_TPS = (2, 4, 8)  # where no profile holds: the TP sizes the servers fuse at, each at 1..TP tokens
-UNTUNED_HIDDEN = 4096
-
-
-def _module_of(relpath: str) -> str:
-    return relpath[:-3].replace("/", ".").removesuffix(".__init__")
-
-
-def tuned_request(distribution, patch_set, cases: list[dict]) -> dict | None:
-    """The probe's request, from the patch data: the predicate the tuned-limits patch rewrites, and
-    the one-shot argument the patch it requires puts in the fused call (None: this release's
-    tuned-limits is not a batch-size predicate the probe drives, e.g. vLLM's table rows)."""
-    try:
-        tuned = patch_set.patch(TUNED_PATCH)
-    except KeyError:
-        return None
-    function = next((e.params["function"] for e in tuned.edits if e.rewriter == "python.replace-expression"), None)
-    if function is None:
-        return None
-    oneshot = None
-    for required in tuned.requires:
-        patch = next((p for p in patch_set.patches if p.id == required), None)
-        if patch is None:
-            continue
-        new = next((e.params["new"] for e in patch.edits if e.rewriter == "python.replace-argument"), None)
-        if new is not None:
-            oneshot = {"module": _module_of(patch.file), "expression": new}
-    spec = distribution.verify
-    return {"predicate": {"module": _module_of(tuned.file), "function": function, "cap": spec.tuned_cap},
-            "oneshot": oneshot, "server_args": dict(spec.tuned_server_args), "device_flags": dict(spec.tuned_device_flags),
-            "cases": cases}
-
-
-def tuned_cases(profile) -> tuple[list[dict], dict[int, object]]:
-    """The sizes to ask about: for each TP entry of the profile that holds here, its fused and
-    one-shot limits in tokens (limit-1, limit, limit+1) and 1..TP; without one, 1..TP at TP2/4/8."""
-    entries = {e.tp: e for e in profile.entries} if profile is not None and profile.usable else {}
-    cases = []
-    for tp, e in sorted(entries.items()):
-        per_token = e.hidden * tunedlimits.ITEMSIZE[e.dtype]
-        limits = (e.fused_max_bytes // per_token, e.oneshot_max_bytes // per_token)
-        sizes = {*range(1, tp + 1), *(n + d for n in limits for d in (-1, 0, 1))}
-        cases.append({"tp": tp, "hidden": e.hidden, "dtype": e.dtype, "sizes": sorted(s for s in sizes if s > 0)})
-    if not cases:
-        cases = [{"tp": tp, "hidden": UNTUNED_HIDDEN, "dtype": "bf16", "sizes": list(range(1, tp + 1))}
-                 for tp in UNTUNED_TPS]
-    return cases, entries
-
-
-def _expected(entry, tp: int, size: int, cap) -> tuple[bool, bool | None]:
-    """What the profile says the server does at ``size`` tokens (``entry`` None: the release's own
-    rule): fused or not, and the one-shot argument (None: FlashInfer's own rule decides)."""
-    within_cap = size >= 1 and (not isinstance(cap, int) or size <= cap)
-    if entry is None:
-        return within_cap, None
-    per_token = entry.hidden * tunedlimits.ITEMSIZE[entry.dtype]
-    fused = within_cap and size * per_token <= entry.fused_max_bytes
-    rule = tunedlimits.ONESHOT_RULE_MIB.get(tp)
-    if rule is None:
-        return fused, None
-    message = size * per_token
-    # One-shot up to the profile's limit where FlashInfer's own rule allows it (its workspace is
-    # sized by that rule); two-shot needs more tokens than ranks, so no more than TP is one-shot.
-    return fused, (message <= entry.oneshot_max_bytes and message * 2 * tp <= rule * 1024 * 1024) or size <= tp
-
-
-def _words(fused: bool, oneshot) -> str:
-    if not fused:
-        return "not fused"
-    return {True: "fused one-shot", False: "fused two-shot", None: "fused (FlashInfer's one-shot rule)"}[oneshot]
-
-
-def _decisions(row: dict) -> str:
-    """``1-4, 16: fused one-shot; 17, 64: fused two-shot; 65: not fused``: each size under what the server does."""
-    groups: dict[str, list[int]] = {}
-    for size in sorted(int(s) for s in row["fused"]):
-        groups.setdefault(_words(row["fused"][str(size)], row["oneshot"].get(str(size))), []).append(size)
-
-    def spans(sizes: list[int]) -> str:
-        runs, start = [], sizes[0]
-        for a, b in zip(sizes, sizes[1:] + [None]):
-            if b != a + 1:
-                runs.append(str(start) if start == a else f"{start}-{a}")
-                start = b
-        return ", ".join(runs)
-
-    return "; ".join(f"{spans(sizes)} tokens: {words}" for words, sizes in groups.items())
-
-
-def run_tuned_probe(python: Path, request: dict) -> dict:
-    script = Path(__file__).with_name("_decision_probe.py").read_text(encoding="utf-8")
-    with tempfile.TemporaryDirectory(prefix="sm120patch-tuned-") as workspace:
-        # The server's code is the environment's: as root on another user's environment it runs as
-        # that user. FlashInfer writes its log under its workspace when imported: a check leaves no trace.
-        user = runas.environment_owner(python)
-        user.give(Path(workspace))
-        env = user.environ(dict(os.environ, FLASHINFER_WORKSPACE_BASE=workspace))
-        proc = subprocess.run([str(python), "-c", script, json.dumps(request)], capture_output=True, text=True,
-                              env=env, cwd="/", timeout=600, **user.popen_args())
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"the decision probe failed: {tail}"}
-
-
-def tuned_checks_for(python: Path, server: str, distribution, patch_set, profile) -> list[CheckResult]:
-    """The tuned check of one server (``server``: "sglang 0.5.9") whose tuned-limits is applied."""
-    cases, entries = tuned_cases(profile)
-    request = tuned_request(distribution, patch_set, cases)
-    subject = f"{server} decisions"
-    if request is None:
-        return [CheckResult("tuned", subject, None, f"not run: sm120patch does not drive {server}'s tuned-limits "
-                                                    "code yet (it rewrites no batch-size predicate)")]
-    out = run_tuned_probe(python, request)
-    device = out.get("device")
-    if "skipped" in out:
-        return [CheckResult("tuned", subject, None, f"not run: {out['skipped']}")]
-    if "error" in out:
-        return [CheckResult("tuned", subject, False, out["error"] + "; a server with this patch fails the same way "
-                            "at its first forward", broken=True)]
-    results = [CheckResult("tuned", f"{server} device", True, device, required=False)]
-    cap = out.get("cap")
-    for row in out["cases"]:
-        tp = row["tp"]
-        subject = f"{server} at TP{tp}"
-        if "error" in row:
-            results.append(CheckResult("tuned", subject, False, row["error"] + "; a server with this patch fails the "
-                                       "same way at its first forward", broken=True))
-            continue
-        if "skipped" in row:
-            results.append(CheckResult("tuned", subject, None, f"not run: {row['skipped']}"))
-            continue
-        in_force = any(f"in force at TP{tp}:" in line for line in row["log"])
-        expected_entry = entries.get(tp)
-        entry = expected_entry if in_force else None
-        wrong = []
-        for size in sorted(int(s) for s in row["fused"]):
-            want = _expected(entry, tp, size, cap)
-            got = (row["fused"][str(size)], row["oneshot"].get(str(size)))
-            if got != want:
-                wrong.append(f"{size} tokens: {_words(*got)}, the {'profile' if entry else 'release'} says {_words(*want)}")
-        said = row["log"][0] if row["log"] else "the server logged nothing about the profile"
-        if expected_entry is not None and not in_force:
-            results.append(CheckResult("tuned", subject, False, f"the server does not use the profile: {said}"))
-        elif wrong:
-            results.append(CheckResult("tuned", subject, False, "decides otherwise: " + "; ".join(wrong[:3])))
-        else:
-            whose = "as the profile says" if entry else "no profile holds: the release's own limits"
-            results.append(CheckResult("tuned", subject, True, f"{_decisions(row)} — {whose}"))
-    return results
-
-
-def tuned_checks(python: Path, report: StatusReport) -> list[CheckResult]:
-    """The tuned check of every server of the report whose tuned-limits is applied."""
-    profile = None
-    results = []
-    for item in report.trees:
-        a = item.assessment
-        if a.patch_set is None or TUNED_PATCH not in (a.applied_ids or ()):
-            continue
-        if profile is None:
-            profile = tunedlimits.read({t.assessment.name: t.assessment.raw_version for t in report.trees})
-        results += tuned_checks_for(python, f"{a.name} {a.raw_version}", item.distribution, a.patch_set, profile)
-    if not results:
-        results.append(CheckResult("tuned", "tuned-limits", None, "not run: no server here has tuned-limits applied "
-                                   "(`sm120patch apply --with tuned-limits`)"))
-    return results
