@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, need
+from sm120patch import tunedlimits
 from test_synthetic import data_dir, toy  # noqa: F401 - the synthetic distribution's fixtures
 
 STRACE = shutil.which("strace")
@@ -381,3 +382,14 @@ def test_status_of_a_checkout_by_default_says_what_head_has_in_one_line(tmp_path
     after = run_cli("status", "--source", root, short=True)
     assert after.exit_code == 0 and "to apply" not in after.output and ": patched" in after.output, after.output
     assert len(after.output.splitlines()) <= 10
+
+
+def test_the_model_placeholder_pasted_unfilled_says_what_to_put_there(tmp_path):
+    """The one word status's `bench --tune` line leaves to fill in, pasted as it is: bench says it is
+    that word and what goes there (exit 2), not that a file YOUR_MODEL_DIR cannot be read."""
+    proc = subprocess.run([sys.executable, "-m", "sm120patch", "bench", "--tune", "--model", tunedlimits.MODEL_PLACEHOLDER,
+                           "--python", sys.executable], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"sm120patch: error: --model {tunedlimits.MODEL_PLACEHOLDER} is the one word of the "
+                                  "printed line to fill in"), proc.stderr
+

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from sm120patch import __version__, dirfd, signals
+from sm120patch import __version__, dirfd, signals, tunedlimits
 from sm120patch import _tuned_runtime as runtime
 from sm120patch.bench.limits import Limits
 from sm120patch.errors import CheckFailedError, RefusedError, Sm120PatchError, UsageError
@@ -40,6 +40,10 @@ def default_path() -> Path:
 def read_model(path: Path) -> tuple[int, str | None]:
     """(hidden size, dtype or None) from a Hugging Face config.json (a directory holding one too):
     hidden_size, or text_config.hidden_size for the multimodal ones; torch_dtype (or dtype)."""
+    if str(path) == tunedlimits.MODEL_PLACEHOLDER and not path.exists():  # status's line, pasted unfilled
+        raise UsageError(f"--model {path} is the one word of the printed line to fill in: the directory of the model "
+                         "your server serves (or its config.json)",
+                         hint="--model ~/models/NAME (the model's directory), or --hidden N (its hidden size)")
     path = path / "config.json" if path.is_dir() else path
     try:
         config = json.loads(read_regular(path))
