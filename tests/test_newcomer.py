@@ -392,4 +392,3 @@ def test_the_model_placeholder_pasted_unfilled_says_what_to_put_there(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"sm120patch: error: --model {tunedlimits.MODEL_PLACEHOLDER} is the one word of the "
                                   "printed line to fill in"), proc.stderr
-
