@@ -115,15 +115,10 @@ def tune_command(options: tuple[tuple[str, str | None], ...], profile: Profile |
 
 
 def load(path: str) -> tuple[dict | None, str]:
-    """The server's reader (``_sm120patch_load``: (document, '') or (None, why)), where a file
-    nested too deeply for json to parse is one more reason, not a RecursionError."""
-    try:
-        document, why = runtime._sm120patch_load(path)
-    except RecursionError:
-        document, why = None, "(RecursionError)"
-    if document is None and why.endswith("(RecursionError)"):  # the server's reader names only the exception
-        why = f"cannot read {path} (nested too deeply to be a profile)"
-    return document, why
+    """The server's reader (``_sm120patch_load``: (document, '') or (None, why)): it says in words
+    what it cannot read or trust (a FIFO, a file others may write, JSON nested past the parser's
+    depth) and never raises, so status reads the profile exactly as the server does."""
+    return runtime._sm120patch_load(path)
 
 
 def parse(data: bytes) -> tuple[object, str]:
