@@ -12,10 +12,9 @@ installs for vLLM (each set's first release and the newest: its wheels are ~400 
 SM120PATCH_FULL_MATRIX=1 runs every set's lowest and highest.
 
 SGLang: what the inserted code asks of the server (`_sm120patch_sglang_served`, one per patch set)
-names only what that release's own modules bind, read from its wheel. Running the patched
-predicate itself needs the release's parallel state, whose modules import the whole server and
-its dependencies: tests/test_tuned_limits.py runs it where they cannot be imported (nothing
-raises, the release's cap holds)."""
+names only what that release's own modules bind, read from its wheel. The patched decision code
+itself, on every set's lowest and highest release, imported with its dependencies as the server
+imports it: tests/test_verify_tuned.py."""
 
 from __future__ import annotations
 

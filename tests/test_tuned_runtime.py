@@ -393,3 +393,46 @@ def test_a_profile_nested_past_the_parsers_depth_is_a_reason(tmp_path):
     path.write_text("[" * 100000 + "]" * 100000)
     document, why = rt._sm120patch_load(str(path))
     assert document is None and why == f"cannot read {path} (nested too deeply to be a profile)"
+
+
+def test_the_tuned_check_asks_each_site_the_patch_data_rewrites_and_the_fused_calls_argument():
+    """`verify --tuned`'s request, from the patch data: SGLang's decision sites (each with the
+    release cap the patch wraps there) and the one-shot argument of the fused call, as the tuned
+    patch writes it and as the release has it; vLLM's fusion module and its call's expression."""
+    from packaging.version import Version
+
+    from sm120patch import decisions
+    from sm120patch.distributions import load_registry
+
+    registry = load_registry(full=False)
+    sglang, vllm = registry.get("sglang"), registry.get("vllm")
+    old = decisions.tuned_request(sglang, sglang.find(Version("0.5.4")), [])
+    assert old["kind"] == "sites"
+    assert [(s["function"], s["cap"]) for s in old["sites"]] == [
+        ("should_fuse_mlp_allreduce_with_next_layer", "FUSE_ALLREDUCE_MAX_BATCH_SIZE"),
+        ("_gather_hidden_states_and_residual", "4096")]
+    assert old["oneshot"]["module"] == "sglang.srt.layers.flashinfer_comm_fusion"
+    assert old["oneshot"]["expression"].startswith("_sm120patch_use_oneshot(use_oneshot, input_tensor.shape[0]")
+    new = decisions.tuned_request(sglang, sglang.find(Version("0.5.23")), [], tuned=False)
+    assert [(s["module"], s["function"]) for s in new["sites"]] == [
+        ("sglang.srt.layers.layer_boundary.residual.add_norm", "flashinfer_ar_fusion_applies")]
+    assert new["oneshot"]["expression"] == "use_oneshot"  # the release's own argument there
+    for version, release_expression in (("0.11.1", "use_oneshot"), ("0.34.0", "_select_flashinfer_allreduce_use_oneshot(")):
+        request = decisions.tuned_request(vllm, vllm.find(Version(version)), [])
+        assert request["kind"] == "tables" and request["module"].startswith("vllm.compilation.")
+        assert request["oneshot"]["expression"].startswith("_sm120patch_oneshot_floor(")
+        plain = decisions.tuned_request(vllm, vllm.find(Version(version)), [], tuned=False)
+        assert plain["oneshot"]["expression"].startswith(release_expression)
+
+
+def test_the_tuned_check_reads_the_servers_one_line_per_tp_size():
+    from sm120patch import decisions
+
+    vllm = ["sm120patch tuned limits in force at TP2: fused up to 1 bytes, one-shot up to 1 bytes; at TP4: fused up "
+            "to 2 bytes, one-shot up to 1 bytes (profile /p, tuned x); not in force at TP8 (no limits for TP8): there "
+            "the rows stay as they were"]
+    assert [decisions.in_force(vllm, tp) for tp in (2, 4, 8)] == [True, True, False]
+    sglang = ["sm120patch tuned limits in force at TP4: fused up to 9 bytes, one-shot up to 3 bytes (profile /p, tuned x)"]
+    assert [decisions.in_force(sglang, tp) for tp in (2, 4)] == [False, True]
+    assert not decisions.in_force(["sm120patch tuned limits not used (no profile at /p): the release's own fusion "
+                                   "limits hold"], 4)

@@ -15,28 +15,40 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from helpers import ServingEnv, Session, make_venv, snapshot
 from sm120patch import _tuned_runtime as rt
+from sm120patch import decisions
 from sm120patch.data import data_dir
+from sm120patch.distributions import load_registry
+from sm120patch.edits import apply_edits
 from sm120patch.wheels import fetch_wheel
+
+# One environment of several gigabytes serves every test here: they run on one worker
+# (`pytest -n auto --dist loadgroup`, as `make test` runs them), which builds it once.
+pytestmark = pytest.mark.xdist_group("sglang-server-env")
 
 FIRST_FORM = Path(__file__).parent / "data" / "first-tuned-form"
 
 # What SGLang's predicate modules import (communicator.py in 0.5.9, layer_boundary/residual/add_norm.py
 # and flashinfer_comm_fusion.py in 0.5.21), found by importing them; torchvision's build pins torch.
+# transformers at 0.5.9's pin: later releases need `kernels`, which the older transformers a release
+# pins (put in front of these by the range test below) cannot work beside.
 SERVER_REQUIREMENTS = [
     "torch==2.14.1", "torchvision==0.29.1", "triton", "apache-tvm-ffi!=0.1.8,!=0.1.8.post0,<0.2,>=0.1.6", "ninja",
     "packaging", "numpy", "tqdm", "requests", "einops", "tabulate", "click", "nvidia-ml-py", "filelock", "pybase64",
     "ipython", "pydantic", "aiohttp", "orjson", "pyzmq", "pillow", "fastapi", "safetensors", "openai",
-    "partial-json-parser", "huggingface-hub", "transformers", "dill", "sentencepiece", "msgspec", "compressed-tensors",
-    "gguf", "psutil", "setproctitle", "uvloop",
+    "partial-json-parser", "huggingface-hub", "transformers==4.57.1", "dill", "sentencepiece", "msgspec", "compressed-tensors",
+    "gguf", "psutil", "setproctitle", "uvloop", "xgrammar",
 ]
 HIDDEN = 4096
 
@@ -112,6 +124,140 @@ def test_verify_tuned_runs_sglang_059s_decisions_at_the_profiles_boundaries(serv
     assert snapshot(server_env) == before
 
 
+# ---------------------------------------------------------------------------------------------
+# Every range of SGLang releases the patch data distinguishes (each patches/sglang/X.toml): that
+# range's lowest and highest release, its real wheel and the FlashInfer it pins (the first covered
+# one, 0.5.0, for a pin below it), patched as the patch data says, imported in the server
+# environment above in front of its packages (PYTHONPATH), with the transformers release it pins
+# (and what that needs) in front of those. The probe `verify --tuned` runs asks each decision site
+# the tuned-limits patch rewrites (0.5.8+: the predicate of the batch size; up to 0.5.7 the layer
+# communicator's method and its gather step, each called as the server calls it) and the fused
+# call's one-shot argument, in a process of its own per profile: what the server's code decides.
+
+SGLANG = load_registry(full=False).get("sglang")
+ENDS = sorted({str(v) for ps in SGLANG.patch_sets for v in (min(ps.versions), max(ps.versions))}, key=Version)
+SERVED = 5120
+TP = 4
+# Limits that are not whole tokens at the served width, and not any release's default: fused up
+# to 37.6 tokens, one-shot up to 2.4 (below TP: a batch of no more tokens than ranks stays one-shot).
+FUSED, ONESHOT = int(37.6 * SERVED * 2), int(2.4 * SERVED * 2)
+
+
+def pinned(wheel: Path, distribution: str) -> str | None:
+    """The release of ``distribution`` the wheel pins (==), in any of its requirement lines."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(metadata).decode()
+    found = re.search(rf"^Requires-Dist: {distribution}(?:\[[^\]]*\])?==([^\s;,]+)", text, re.M | re.I)
+    return found.group(1) if found else None
+
+
+@pytest.fixture(scope="module")
+def pinned_transformers(server_env, tmp_path_factory):
+    """transformers at a release, with what it needs, in a folder of its own (made once per release)."""
+    made: dict[str, Path] = {}
+
+    def get(version: str) -> Path:
+        if version not in made:
+            folder = tmp_path_factory.mktemp(f"transformers-{version}")
+            subprocess.run([sys.executable, "-m", "pip", "--python", str(server_env.python), "install", "--quiet",
+                            "--disable-pip-version-check", "--target", str(folder), f"transformers=={version}"],
+                           check=True)
+            made[version] = folder
+        return made[version]
+
+    return get
+
+
+def patched_tree(folder: Path, sglang: Path, flashinfer: Path, patches) -> Path:
+    """The two wheels' files as installed, then each file the patches name rewritten by them."""
+    for wheel in (sglang, flashinfer):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(folder)
+    for relpath in sorted({p.file for p in patches}):
+        path = folder / relpath
+        path.write_bytes(apply_edits(path.read_bytes(), [p for p in patches if p.file == relpath], where=relpath))
+    return folder
+
+
+def profile_at(path: Path, **entries) -> str:
+    """A profile of this machine: ``entries`` TP -> (fused bytes, one-shot bytes), at SERVED."""
+    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(), "entries": {
+        str(tp): {"created": "2026-12-06T03:00:00Z", "software": {}, "nccl_env": {}, "dtype": "bf16", "hidden": SERVED,
+                  "fused_max_bytes": fused, "oneshot_max_bytes": one} for tp, (fused, one) in entries.items()}}))
+    path.chmod(0o644)
+    return str(path)
+
+
+@pytest.mark.parametrize("version", ENDS, ids=[f"sglang-{v}" for v in ENDS])
+def test_every_sglang_range_follows_a_profile_and_ignores_a_bad_one(server_env, pinned_transformers, wheel_cache,
+                                                                       tmp_path, monkeypatch, version):
+    patch_set = SGLANG.find(Version(version))
+    sglang = fetch_wheel("sglang", version, wheel_cache)
+    pin = pinned(sglang, "flashinfer_python") or "0.5.0"
+    flashinfer = fetch_wheel("flashinfer-python", max(Version(pin), Version("0.5.0")).public, wheel_cache)
+    transformers = pinned(sglang, "transformers")
+    behind = [str(pinned_transformers(transformers))] if transformers else []
+
+    tmp_path.chmod(0o755)
+    profiles = tmp_path / "profiles"
+    profiles.mkdir(mode=0o755)
+    good = profile_at(profiles / "good.json", **{str(TP): (FUSED, ONESHOT)})
+    corrupt, stranger, planted = profiles / "corrupt.json", profiles / "stranger.json", profiles / "others.json"
+    corrupt.write_text("{")
+    stranger.write_text(json.dumps({"kind": "another tool's file"}))
+    profile_at(planted, **{str(TP): (FUSED, ONESHOT)})
+    planted.chmod(0o666)  # others may write it: the server refuses it as it would a missing one
+    bad = {"absent": str(profiles / "none.json"), "corrupt": str(corrupt), "not a profile": str(stranger),
+           "another TP": profile_at(profiles / "tp8.json", **{"8": (FUSED, ONESHOT)}), "others may write it": str(planted)}
+    sizes = sorted({*range(1, TP + 2), *(n + d for n in (FUSED // (SERVED * 2), ONESHOT // (SERVED * 2)) for d in (-1, 0, 1))})
+    cases = [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": good},
+             # A model wider than the one tuned: the limits are bytes, converted at the served width.
+             {"tp": TP, "hidden": 7168, "dtype": "bf16", "sizes": sorted({*sizes, 26, 27, 28}), "profile": good}]
+    cases += [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": path} for path in bad.values()]
+
+    def ask(tuned: bool) -> dict:
+        tree = patched_tree(tmp_path / ("tuned" if tuned else "plain"), sglang, flashinfer,
+                            patch_set.select(["tuned-limits"] if tuned else []))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tree), *behind]))
+        request = decisions.tuned_request(SGLANG, patch_set, [dict(c) for c in cases], tuned=tuned)
+        found = decisions.run_tuned_probe(server_env.python, request)
+        assert "cases" in found, found  # imported: nothing skipped, nothing raised
+        for row in found["cases"]:
+            assert "error" not in row and "skipped" not in row, row
+        return found
+
+    tuned, plain = ask(True), ask(False)
+    caps = tuned["caps"]
+    assert caps == plain["caps"] and all(isinstance(c, int) and c >= 2048 for c in caps.values()), caps
+    assert set(caps) == {s["function"] for s in decisions.tuned_request(SGLANG, patch_set, [])["sites"]}
+    mib = 1024 * 1024
+    rule = rt._SM120PATCH_ONESHOT_RULE_MIB[TP] * mib
+
+    # The profile, at the served width: each site fuses up to the profile's limit (never past its
+    # cap), and the fused call is one-shot up to the one-shot limit and at every batch of <= TP tokens.
+    for row, case in zip(tuned["cases"][:2], cases[:2]):
+        width = case["hidden"] * 2
+        for site, fused in row["sites"].items():
+            assert fused == {str(n): 1 <= n <= min(caps[site], FUSED // width) for n in map(int, fused)}, (site, case)
+        assert row["oneshot"] == {str(n): (n * width <= ONESHOT and n * width * 2 * TP <= rule) or n <= TP
+                                  for n in map(int, row["oneshot"])}, case
+        assert len(row["log"]) == 1 and row["log"][0].startswith(
+            f"sm120patch tuned limits in force at TP{TP}: fused up to {FUSED} bytes, one-shot up to {ONESHOT} bytes")
+    assert tuned["cases"][1]["sites"] != tuned["cases"][0]["sites"]  # the width changed the limit
+
+    # The plain patch set: the release's caps, FlashInfer's one-shot rule; each bad profile: the same.
+    plain_row = plain["cases"][0]
+    for site, fused in plain_row["sites"].items():
+        assert fused == {str(n): 1 <= n <= caps[site] for n in map(int, fused)}, site
+    assert set(plain_row["oneshot"].values()) == {None}
+    assert all(row["log"] == [] for row in plain["cases"])  # nothing of sm120patch's runs there
+    for why, row, plain_same in zip(bad, tuned["cases"][2:], plain["cases"][2:]):
+        assert (row["sites"], row["oneshot"]) == (plain_same["sites"], plain_same["oneshot"]), why
+        assert len(row["log"]) == 1 and row["log"][0].startswith("sm120patch tuned limits not used ("), (why, row["log"])
+
+
+# The last test: it changes the shared environment's installed releases.
 def first_form_sm120patch(tmp_path: Path) -> tuple[list[str], dict]:
     """This sm120patch, inserting the first tuned-limits form it shipped for SGLang 0.5.21: that form's
     runtime source (the insert-module-code rewriter reads sm120patch/_tuned_runtime.py), patch set and
@@ -137,9 +283,13 @@ def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server
     with or without a profile; `apply --with tuned-limits` runs the predicate before its commit point
     and rolls the whole apply back."""
     python = server_env.python
+    # This test comes last in the file: it installs 0.5.21 over 0.5.9, with the transformers 0.5.21
+    # pins (and the huggingface-hub that needs) over the ones the tests above share.
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
                     "--disable-pip-version-check", str(fetch_wheel("sglang", "0.5.21", wheel_cache)),
                     str(fetch_wheel("flashinfer-python", "0.6.18", wheel_cache))], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+                    "--disable-pip-version-check", "transformers==5.12.1"], check=True)
     program, environ = first_form_sm120patch(tmp_path)
     where = ["--python", str(python), "--jit-cache-base", str(server_env.home)]
     before = snapshot(server_env)
@@ -148,7 +298,7 @@ def test_apply_with_tuned_limits_rolls_back_where_the_servers_code_raises(server
     assert applied.returncode == 3, applied.stdout + applied.stderr
     errors = [line for line in applied.stderr.splitlines() if line.startswith("sm120patch: error:")]
     assert len(errors) == 1 and "Traceback" not in applied.stderr, applied.stderr
-    assert "refused: sglang 0.5.21 at TP2: apply_flashinfer_allreduce_fusion(1) at TP2 raises ImportError" in errors[0]
+    assert "refused: sglang 0.5.21 at TP2: apply_flashinfer_allreduce_fusion(1 tokens) at TP2 raises ImportError" in errors[0]
     assert "in _sm120patch_sglang_tp_size" in errors[0] and errors[0].endswith("rolled back, the environment is as it was")
     assert snapshot(server_env) == before  # byte-identical: every file, its mode, the file list
     # Without tuned-limits the same sm120patch applies, and verify --tuned says there is nothing tuned to check.

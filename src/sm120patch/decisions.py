@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,29 +24,45 @@ def _module_of(relpath: str) -> str:
     return relpath[:-3].replace("/", ".").removesuffix(".__init__")
 
 
-def tuned_request(distribution, patch_set, cases: list[dict]) -> dict | None:
-    """The probe's request, from the patch data: the predicate the tuned-limits patch rewrites, and
-    the one-shot argument the patch it requires puts in the fused call (None: this release's
-    tuned-limits is not a batch-size predicate the probe drives, e.g. vLLM's table rows)."""
+CAP_CALL = "_sm120patch_fused_max_tokens("
+
+
+def _edits(patch_set, patch):
+    """The edits of ``patch`` and of the patches it requires, with each one's patch."""
+    for p in [patch, *(q for q in patch_set.patches if q.id in patch.requires)]:
+        for edit in p.edits:
+            yield p, edit
+
+
+def tuned_request(distribution, patch_set, cases: list[dict], *, tuned: bool = True) -> dict | None:
+    """The probe's request, from the patch data. SGLang ("sites"): each decision the tuned-limits
+    patch rewrites (a replace-expression putting the release's cap X into
+    ``_sm120patch_fused_max_tokens(X)``), with X as the cap there. vLLM ("tables"): the fusion
+    module whose SM120 rows it narrows at import. Both: the one-shot argument the patch puts in the
+    fused call (``tuned`` False: the release's own expression there, to ask a tree patched without
+    tuned-limits the same questions). None: no tuned-limits patch in this set."""
     try:
-        tuned = patch_set.patch(TUNED_PATCH)
+        patch = patch_set.patch(TUNED_PATCH)
     except KeyError:
         return None
-    function = next((e.params["function"] for e in tuned.edits if e.rewriter == "python.replace-expression"), None)
-    if function is None:
-        return None
-    oneshot = None
-    for required in tuned.requires:
-        patch = next((p for p in patch_set.patches if p.id == required), None)
-        if patch is None:
+    sites, oneshot = [], None
+    for owner, edit in _edits(patch_set, patch):
+        new = edit.params.get("new")
+        if not isinstance(new, str):
             continue
-        new = next((e.params["new"] for e in patch.edits if e.rewriter == "python.replace-argument"), None)
-        if new is not None:
-            oneshot = {"module": _module_of(patch.file), "expression": new}
+        if edit.rewriter == "python.replace-expression" and CAP_CALL in new:
+            cap = new[new.index(CAP_CALL) + len(CAP_CALL):new.rindex(")")]
+            site = {"module": _module_of(owner.file), "function": edit.params["function"], "cap": cap}
+            if site not in sites:
+                sites.append(site)
+        elif edit.params.get("keyword") == "use_oneshot" or "oneshot" in new and "oneshot" in edit.params.get("old", ""):
+            oneshot = {"module": _module_of(owner.file), "expression": new if tuned else edit.params["old"]}
     spec = distribution.verify
-    return {"predicate": {"module": _module_of(tuned.file), "function": function, "cap": spec.tuned_cap},
-            "oneshot": oneshot, "server_args": dict(spec.tuned_server_args), "device_flags": dict(spec.tuned_device_flags),
-            "cases": cases}
+    request = {"oneshot": oneshot, "server_args": dict(spec.tuned_server_args), "cases": cases,
+               "device_flags": dict(spec.tuned_device_flags)}
+    if sites:
+        return dict(request, kind="sites", sites=sites)
+    return dict(request, kind="tables", module=_module_of(patch.file))
 
 
 def tuned_cases(profile) -> tuple[list[dict], dict[int, object]]:
@@ -64,7 +81,7 @@ def tuned_cases(profile) -> tuple[list[dict], dict[int, object]]:
     return cases, entries
 
 
-def _expected(entry, tp: int, size: int, cap) -> tuple[bool, bool | None]:
+def _expected(entry, tp: int, size: int, cap, kind: str) -> tuple[bool, bool | None]:
     """What the profile says the server does at ``size`` tokens (``entry`` None: the release's own
     rule): fused or not, and the one-shot argument (None: FlashInfer's own rule decides)."""
     within_cap = size >= 1 and (not isinstance(cap, int) or size <= cap)
@@ -72,10 +89,12 @@ def _expected(entry, tp: int, size: int, cap) -> tuple[bool, bool | None]:
         return within_cap, None
     per_token = entry.hidden * tunedlimits.ITEMSIZE[entry.dtype]
     fused = within_cap and size * per_token <= entry.fused_max_bytes
+    message = size * per_token
+    if kind == "tables":  # vLLM: its one-shot row, narrowed to the profile's limit, and its floor
+        return fused, (message <= entry.oneshot_max_bytes or size <= tp) if fused else None
     rule = tunedlimits.ONESHOT_RULE_MIB.get(tp)
     if rule is None:
         return fused, None
-    message = size * per_token
     # One-shot up to the profile's limit where FlashInfer's own rule allows it (its workspace is
     # sized by that rule); two-shot needs more tokens than ranks, so no more than TP is one-shot.
     return fused, (message <= entry.oneshot_max_bytes and message * 2 * tp <= rule * 1024 * 1024) or size <= tp
@@ -87,11 +106,11 @@ def _words(fused: bool, oneshot) -> str:
     return {True: "fused one-shot", False: "fused two-shot", None: "fused (FlashInfer's one-shot rule)"}[oneshot]
 
 
-def _decisions(row: dict) -> str:
+def _decisions(fused: dict, oneshot: dict) -> str:
     """``1-4, 16: fused one-shot; 17, 64: fused two-shot; 65: not fused``: each size under what the server does."""
     groups: dict[str, list[int]] = {}
-    for size in sorted(int(s) for s in row["fused"]):
-        groups.setdefault(_words(row["fused"][str(size)], row["oneshot"].get(str(size))), []).append(size)
+    for size in sorted(int(s) for s in fused):
+        groups.setdefault(_words(fused[str(size)], oneshot.get(str(size))), []).append(size)
 
     def spans(sizes: list[int]) -> str:
         runs, start = [], sizes[0]
@@ -102,6 +121,12 @@ def _decisions(row: dict) -> str:
         return ", ".join(runs)
 
     return "; ".join(f"{spans(sizes)} tokens: {words}" for words, sizes in groups.items())
+
+
+def in_force(log: list[str], tp: int) -> bool:
+    """Whether the server's one line says the profile is in force at TP ``tp`` (SGLang: a line per
+    TP size; vLLM: one line naming each TP size, then those it is not in force at)."""
+    return any(re.search(rf"(in force |; )at TP{tp}:", line.split("; not in force at ")[0]) for line in log)
 
 
 def run_tuned_probe(python: Path, request: dict) -> dict:
@@ -127,8 +152,7 @@ def tuned_checks_for(python: Path, server: str, distribution, patch_set, profile
     request = tuned_request(distribution, patch_set, cases)
     subject = f"{server} decisions"
     if request is None:
-        return [CheckResult("tuned", subject, None, f"not run: sm120patch does not drive {server}'s tuned-limits "
-                                                    "code yet (it rewrites no batch-size predicate)")]
+        return [CheckResult("tuned", subject, None, f"not run: {server} has no tuned-limits patch")]
     out = run_tuned_probe(python, request)
     device = out.get("device")
     if "skipped" in out:
@@ -137,7 +161,7 @@ def tuned_checks_for(python: Path, server: str, distribution, patch_set, profile
         return [CheckResult("tuned", subject, False, out["error"] + "; a server with this patch fails the same way "
                             "at its first forward", broken=True)]
     results = [CheckResult("tuned", f"{server} device", True, device, required=False)]
-    cap = out.get("cap")
+    caps = out.get("caps", {})
     for row in out["cases"]:
         tp = row["tp"]
         subject = f"{server} at TP{tp}"
@@ -148,23 +172,30 @@ def tuned_checks_for(python: Path, server: str, distribution, patch_set, profile
         if "skipped" in row:
             results.append(CheckResult("tuned", subject, None, f"not run: {row['skipped']}"))
             continue
-        in_force = any(f"in force at TP{tp}:" in line for line in row["log"])
+        forced = in_force(row["log"], tp)
         expected_entry = entries.get(tp)
-        entry = expected_entry if in_force else None
-        wrong = []
-        for size in sorted(int(s) for s in row["fused"]):
-            want = _expected(entry, tp, size, cap)
-            got = (row["fused"][str(size)], row["oneshot"].get(str(size)))
-            if got != want:
-                wrong.append(f"{size} tokens: {_words(*got)}, the {'profile' if entry else 'release'} says {_words(*want)}")
+        entry = expected_entry if forced else None
+        wrong, lines = [], {}
+        for site, fused in row["sites"].items():
+            for size in sorted(int(s) for s in fused):
+                want = _expected(entry, tp, size, caps.get(site), request["kind"])
+                got = (fused[str(size)], row["oneshot"].get(str(size)))
+                if request["kind"] == "tables" and entry is None:
+                    continue  # vLLM's own rows: what the release decides, reported as it is
+                if got != want:
+                    wrong.append(f"{size} tokens ({site}): {_words(*got)}, the "
+                                 f"{'profile' if entry else 'release'} says {_words(*want)}")
+            lines.setdefault(_decisions(fused, row["oneshot"]), []).append(site)
         said = row["log"][0] if row["log"] else "the server logged nothing about the profile"
-        if expected_entry is not None and not in_force:
+        if expected_entry is not None and not forced:
             results.append(CheckResult("tuned", subject, False, f"the server does not use the profile: {said}"))
         elif wrong:
             results.append(CheckResult("tuned", subject, False, "decides otherwise: " + "; ".join(wrong[:3])))
         else:
             whose = "as the profile says" if entry else "no profile holds: the release's own limits"
-            results.append(CheckResult("tuned", subject, True, f"{_decisions(row)} — {whose}"))
+            shown = (next(iter(lines)) if len(lines) == 1
+                     else " | ".join(f"{', '.join(sites)}: {text}" for text, sites in lines.items()))
+            results.append(CheckResult("tuned", subject, True, f"{shown} — {whose}"))
     return results
 
 
