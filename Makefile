@@ -19,10 +19,8 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" bash demo/run.sh
 
-# --dist loadgroup: the tests that share one multi-gigabyte environment (xdist_group) run on one
-# worker, which builds it once; every other test is spread as usual.
 test: install
-	$(BIN)/python -m pytest -n auto --dist loadgroup
+	$(BIN)/python -m pytest -n auto
 
 # The tests that need no real wheel, no torch, no download: the pipeline on a synthetic
 # distribution, the CLI, parsers, rewriters (under a minute, on every core).

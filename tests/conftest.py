@@ -171,11 +171,12 @@ NEEDS_WHEELS = ("test_matrix.py", "test_manifests.py", "test_fault_injection.py"
 RUNTIME_FILES = ("test_bench.py", "test_build.py", "test_fusion_paths.py", "test_tuned_limits.py", "test_verify.py")
 SPREAD_FILES = ("test_fault_injection.py",)
 # The longest work first, so that what is handed out last is short and neither worker is left
-# with minutes of it at the end while the other idles: the container test's image build (minutes
-# of nvcc), the matrix's installs, the runtime environment's files, then each file of more than
-# about half a minute (seconds of test time in docs/benchmarks.md, longest first); every other
-# file after them, in collection order.
-FIRST = ("test_containers.py", "test_matrix.py", *RUNTIME_FILES, "test_vllm.py", "test_releases.py",
+# with minutes of it at the end while the other idles: every SGLang and vLLM range's decisions in
+# one environment of several gigabytes (test_verify_tuned.py), the container test's image build
+# (minutes of nvcc), the matrix's installs, the runtime environment's files, then each file of
+# more than about half a minute (seconds of test time in docs/benchmarks.md, longest first); every
+# other file after them, in collection order.
+FIRST = ("test_verify_tuned.py", "test_containers.py", "test_matrix.py", *RUNTIME_FILES, "test_vllm.py", "test_releases.py",
          "test_logcheck.py", "test_ansible.py", "test_source.py", "test_situations.py", "test_hardening.py", *SPREAD_FILES,
          "test_reliability_four.py", "test_hints.py", "test_manifests.py")
 

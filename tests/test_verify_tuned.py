@@ -31,11 +31,8 @@ from sm120patch import decisions
 from sm120patch.data import data_dir
 from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
+from sm120patch.errors import Sm120PatchError
 from sm120patch.wheels import fetch_wheel
-
-# One environment of several gigabytes serves every test here: they run on one worker
-# (`pytest -n auto --dist loadgroup`, as `make test` runs them), which builds it once.
-pytestmark = pytest.mark.xdist_group("sglang-server-env")
 
 FIRST_FORM = Path(__file__).parent / "data" / "first-tuned-form"
 
@@ -148,8 +145,22 @@ def pinned(wheel: Path, distribution: str) -> str | None:
     with zipfile.ZipFile(wheel) as z:
         metadata = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(metadata).decode()
-    found = re.search(rf"^Requires-Dist: {distribution}(?:\[[^\]]*\])?==([^\s;,]+)", text, re.M | re.I)
+    name = re.sub(r"[-_.]", "[-_.]", distribution)
+    found = re.search(rf"^Requires-Dist: {name}(?:\[[^\]]*\])?==([^\s;,]+)", text, re.M | re.I)
     return found.group(1) if found else None
+
+
+def requirements(wheel: Path, names: set[str]) -> tuple[str, ...]:
+    """The wheel's own requirement lines (not an extra's) for the distributions ``names``."""
+    with zipfile.ZipFile(wheel) as z:
+        metadata = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(metadata).decode()
+    found = []
+    for line in re.findall(r"^Requires-Dist: (.+)$", text, re.M):
+        name = re.match(r"[A-Za-z0-9._-]+", line).group(0)
+        if re.sub(r"[-_.]+", "-", name).lower() in names and "extra ==" not in line:
+            found.append(line.strip())
+    return tuple(sorted(found))
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +177,24 @@ def pinned_transformers(server_env, tmp_path_factory):
             made[version] = folder
         return made[version]
 
-    return get
+    yield get
+    for folder in made.values():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def patched_tree(folder: Path, sglang: Path, flashinfer: Path, patches) -> Path:
-    """The two wheels' files as installed, then each file the patches name rewritten by them."""
-    for wheel in (sglang, flashinfer):
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(folder)
-    for relpath in sorted({p.file for p in patches}):
-        path = folder / relpath
-        path.write_bytes(apply_edits(path.read_bytes(), [p for p in patches if p.file == relpath], where=relpath))
+def patched_tree(folder: Path, server: Path, flashinfer: Path, patch_set, selected: list[str]) -> Path:
+    """The two wheels' files as installed (once per folder), then every file of the server the patch
+    set names, from the release's bytes, as the patches ``selected`` (with the required ones) make
+    it, whatever the folder held before."""
+    if not folder.exists():
+        for wheel in (server, flashinfer):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(folder)
+    chosen = patch_set.select(selected)
+    with zipfile.ZipFile(server) as z:
+        for relpath in sorted({p.file for p in patch_set.patches}):
+            edits = [p for p in chosen if p.file == relpath]
+            (folder / relpath).write_bytes(apply_edits(z.read(relpath), edits, where=relpath) if edits else z.read(relpath))
     return folder
 
 
@@ -217,8 +235,7 @@ def test_every_sglang_range_follows_a_profile_and_ignores_a_bad_one(server_env, 
     cases += [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": path} for path in bad.values()]
 
     def ask(tuned: bool) -> dict:
-        tree = patched_tree(tmp_path / ("tuned" if tuned else "plain"), sglang, flashinfer,
-                            patch_set.select(["tuned-limits"] if tuned else []))
+        tree = patched_tree(tmp_path / "tree", sglang, flashinfer, patch_set, ["tuned-limits"] if tuned else [])
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tree), *behind]))
         request = decisions.tuned_request(SGLANG, patch_set, [dict(c) for c in cases], tuned=tuned)
         found = decisions.run_tuned_probe(server_env.python, request)
@@ -255,6 +272,103 @@ def test_every_sglang_range_follows_a_profile_and_ignores_a_bad_one(server_env, 
     for why, row, plain_same in zip(bad, tuned["cases"][2:], plain["cases"][2:]):
         assert (row["sites"], row["oneshot"]) == (plain_same["sites"], plain_same["oneshot"]), why
         assert len(row["log"]) == 1 and row["log"][0].startswith("sm120patch tuned limits not used ("), (why, row["log"])
+
+
+
+# vLLM: each patch set's lowest and highest release (CI: those test_matrix.py installs, each set's
+# first and the newest; SM120PATCH_FULL_MATRIX=1: all), its real wheel patched with tuned-limits
+# (and fusion-table, whose SM120 rows it narrows) and the FlashInfer it pins, in front of the server
+# environment above with what vLLM's fusion module imports beyond it, at the releases vLLM asks for:
+# `verify --tuned`'s probe imports the module as the server does, in a process per profile.
+VLLM = load_registry(full=False).get("vllm")
+# Found by importing the fusion module of each release in front of the environment above.
+VLLM_IMPORTS = {"cachetools", "cbor2", "cloudpickle", "llguidance", "prometheus-client", "py-cpuinfo", "openai-harmony",
+                "oss-harmony", "transformers"}
+
+
+def vllm_ends() -> list[str]:
+    from test_tuned_matrix import ends
+
+    return [version for _, version in ends("vllm")]
+
+
+def flashinfer_at_most(pin: str, cache: Path, tmp_path: Path) -> Path:
+    """The FlashInfer wheel a release pins; where the index has no wheel of it (vLLM 0.34.0 pins
+    0.7.3), the newest one below it (what the fusion module imports of it is its comm package)."""
+    try:
+        return fetch_wheel("flashinfer-python", pin, cache)
+    except Sm120PatchError:
+        folder = tmp_path / "flashinfer"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check", "--dest", str(folder), f"flashinfer-python<={pin}"], check=True)
+        return next(folder.glob("flashinfer_python-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def vllm_imports(server_env, tmp_path_factory):
+    """What a vLLM release's fusion module imports beyond the server environment, at the releases
+    that release asks for (its own requirement lines), in a folder per set of lines."""
+    made: dict[tuple, Path] = {}
+
+    def get(wheel: Path) -> Path:
+        lines = requirements(wheel, VLLM_IMPORTS)
+        if lines not in made:
+            folder = tmp_path_factory.mktemp("vllm-imports")
+            subprocess.run([sys.executable, "-m", "pip", "--python", str(server_env.python), "install", "--quiet",
+                            "--disable-pip-version-check", "--target", str(folder), *lines], check=True)
+            made[lines] = folder
+        return made[lines]
+
+    yield get
+    for folder in made.values():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("version", vllm_ends(), ids=[f"vllm-{v}" for v in vllm_ends()])
+def test_verify_tuned_runs_every_vllm_ranges_fusion_module_under_a_profile(server_env, vllm_imports, wheel_cache,
+                                                                           tmp_path, monkeypatch, version):
+    patch_set = VLLM.find(Version(version))
+    vllm = fetch_wheel("vllm", version, wheel_cache)
+    flashinfer = flashinfer_at_most(pinned(vllm, "flashinfer-python"), wheel_cache, tmp_path)
+    table = [] if patch_set.patch("fusion-table").required else ["fusion-table"]
+    behind = str(vllm_imports(vllm))
+
+    tmp_path.chmod(0o755)
+    profiles = tmp_path / "profiles"
+    profiles.mkdir(mode=0o755)
+    good = profile_at(profiles / "good.json", **{str(TP): (FUSED, ONESHOT)})
+    (profiles / "corrupt.json").write_text("{")
+    sizes = sorted({*range(1, TP + 2), *(n + d for n in (FUSED // (SERVED * 2), ONESHOT // (SERVED * 2)) for d in (-1, 0, 1))})
+    cases = [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": good},
+             {"tp": TP, "hidden": 7168, "dtype": "bf16", "sizes": sorted({*sizes, 26, 27, 28}), "profile": good},
+             {"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": str(profiles / "none.json")},
+             {"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": str(profiles / "corrupt.json")}]
+
+    def ask(tuned: bool, asked: list[dict]) -> dict:
+        tree = patched_tree(tmp_path / "tree", vllm, flashinfer, patch_set, table + (["tuned-limits"] if tuned else []))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tree), behind]))
+        request = decisions.tuned_request(VLLM, patch_set, [dict(c) for c in asked], tuned=tuned)
+        found = decisions.run_tuned_probe(server_env.python, request)
+        assert "cases" in found, found  # imported: nothing skipped, nothing raised
+        for row in found["cases"]:
+            assert "error" not in row and "skipped" not in row, row
+        assert found["device"].startswith("stand-in SM120 GPU"), found["device"]
+        return found
+
+    tuned, plain = ask(True, cases), ask(False, cases[2:3])
+    # The profile, at the served width: the pass fuses up to the profile's limit, and the fused call
+    # is one-shot up to the one-shot limit and at every batch of no more tokens than ranks.
+    for row, case in zip(tuned["cases"][:2], cases[:2]):
+        width = case["hidden"] * 2
+        assert row["sites"]["fusion pass"] == {str(n): n <= FUSED // width for n in case["sizes"]}, case
+        assert row["oneshot"] == {str(n): n * width <= ONESHOT or n <= TP for n in case["sizes"]
+                                  if n <= FUSED // width}, case
+        assert len(row["log"]) == 1 and f"in force at TP{TP}: fused up to {FUSED} bytes" in row["log"][0], row["log"]
+    # No profile, and a corrupt one: vLLM's own rows (fusion-table's), as without tuned-limits.
+    for row in tuned["cases"][2:]:
+        assert (row["sites"], row["oneshot"]) == (plain["cases"][0]["sites"], plain["cases"][0]["oneshot"])
+        assert len(row["log"]) == 1 and row["log"][0].startswith("sm120patch tuned limits not used ("), row["log"]
+    assert plain["cases"][0]["sites"]["fusion pass"][str(max(sizes))]  # the release fuses further than the profile
 
 
 # The last test: it changes the shared environment's installed releases.

@@ -28,9 +28,11 @@
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 import types
@@ -267,23 +269,47 @@ logging.getLogger().addHandler(said)
 logging.getLogger().setLevel(logging.INFO)
 
 
+MISSING_OP = re.compile(r"'_OpNamespace' '(\w+)' object has no attribute '(\w+)'")
+operators = {"libraries": {}, "defined": []}  # the compiled operators stood in, by namespace
+
+
+def stand_in_operator(exc):
+    """Whether ``exc`` is the server asking torch for one of its compiled CUDA operators that is not
+    registered (vLLM's vllm._C does not load without its CUDA libraries; it looks its operators up
+    at import, for the patterns its passes match): on the stand-in device, the operator is then
+    declared with no kernel (calling it raises; no decision calls one) and the import runs again."""
+    found = MISSING_OP.match(str(exc)) if standin and isinstance(exc, AttributeError) else None
+    if found is None or len(operators["defined"]) >= 1000:
+        return False
+    namespace, name = found.groups()
+    if namespace not in operators["libraries"]:
+        operators["libraries"][namespace] = torch.library.Library(namespace, "FRAGMENT")
+    operators["libraries"][namespace].define(name + "(Tensor[] args) -> ()")
+    operators["defined"].append("%s::%s" % (namespace, name))
+    return True
+
+
 def import_one(name):
     """One module, imported as the server imports it. Where the import needs sgl_kernel, which does
     not import on this stand-in device, once more with its kernels stood in (only then: a release
-    that imports without it keeps its own way of doing without)."""
+    that imports without it keeps its own way of doing without); likewise for each compiled
+    operator it looks up that is not registered here."""
     global kernels
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        if kernels is None or not (getattr(exc, "name", None) or "").split(".")[0] == "sgl_kernel" and not any(
-                "/sgl_kernel/" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
-            raise
-    sys.meta_path.insert(0, StandinKernels())
-    for loaded in [m for m in sys.modules if m.split(".")[0] == "sgl_kernel"]:
-        del sys.modules[loaded]
-    out["device"] += "; sgl_kernel's CUDA kernels stood in (%s)" % kernels
-    kernels = None
-    return importlib.import_module(name)
+    while True:
+        try:
+            return importlib.import_module(name)
+        except AttributeError as exc:
+            if not stand_in_operator(exc):
+                raise
+        except ImportError as exc:
+            if kernels is None or not (getattr(exc, "name", None) or "").split(".")[0] == "sgl_kernel" and not any(
+                    "/sgl_kernel/" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
+                raise
+            sys.meta_path.insert(0, StandinKernels())
+            for loaded in [m for m in sys.modules if m.split(".")[0] == "sgl_kernel"]:
+                del sys.modules[loaded]
+            out["device"] += "; sgl_kernel's CUDA kernels stood in (%s)" % kernels
+            kernels = None
 
 
 def import_all(names):
@@ -387,6 +413,25 @@ def vllm_answers():
     # vLLM configures its loggers not to propagate: its one line about the profile reaches this
     # check's handler only where vLLM leaves logging as it finds it.
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    # What the fusion module imports, imported once here before the processes fork: each of them
+    # then imports only the fusion module itself, whose code reads the profile. One that fails
+    # here fails again there, where it is reported.
+    try:
+        import ast
+
+        spec = importlib.util.find_spec(request["module"])
+        with open(spec.origin, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
+        for node in tree.body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in names:
+                try:
+                    import_one(name)
+                except Exception:  # noqa: BLE001
+                    pass
+    except Exception:  # noqa: BLE001 - the server's module is not found: the processes say so
+        pass
 
     def ask(case):
         tp = case["tp"]
@@ -434,6 +479,7 @@ for case in request["cases"]:
         except BaseException as exc:  # noqa: BLE001
             found = {"tp": case["tp"], "error": fail("the probe", exc)}
         found["log"] = list(said.lines)
+        found["operators"] = operators["defined"]
         with os.fdopen(write, "w") as pipe:
             pipe.write(json.dumps(found))
         os._exit(0)
@@ -446,4 +492,8 @@ for case in request["cases"]:
     except ValueError:
         out["cases"].append({"tp": case["tp"], "error": "the probe's process for TP%d ended without an answer" % case["tp"]})
 
+stood_in = sorted({op for row in out["cases"] for op in row.pop("operators", [])})
+if stood_in:
+    out["device"] += "; %d compiled CUDA operators the server looks up at import stood in (%s, ...: its operator " \
+                     "library does not load here)" % (len(stood_in), ", ".join(stood_in[:2]))
 print(json.dumps(out))
