@@ -13,18 +13,20 @@
 # from its SM120 row) and the one-shot argument its fused call hands FlashInfer (the expression
 # the patch data puts there, evaluated in the fused call's module). Prints one JSON document.
 #
-# Where no SM120 GPU is visible, a stand-in answers for the device only, and the output says so:
-# torch's device capability (12.0, what the inserted code asks at the first forward), the
-# module-level device flags the server computed from torch at import ("device_flags", as an SM120
-# GPU sets them), the tensor-parallel group of a TP-N server (this one process is its rank 0: the
-# group's world size through the release's own parallel state; its all-reduce is NCCL's, which
-# returns its input here), SGLang's CUDA kernel library (sgl_kernel) where it does not load without
-# a GPU (each kernel raises if called: no decision calls one), and the norm layer's two kernels
-# (fused with the all-reduce, or not), which record which one the layer was handed. The server's
-# state is set by the release's own setters, as a TP-N server started with "server_args" (fusion
-# requested, no DP attention) has it by its first forward: its ServerArgs, published; the served
-# model's hidden size. The check is about the limits; status's `requested` step is about the
-# options. Nothing sm120patch inserted, nor anything it calls, is replaced.
+# This one process stands for a TP-N server's rank 0: the tensor-parallel group is a stand-in
+# everywhere (its world size through the release's own parallel state; its all-reduce, NCCL's,
+# returns its input), and so are the norm layer's two kernels an SGLang gather step is handed
+# (fused with the all-reduce, or not: they record which). Where no SM120 GPU is visible, a
+# stand-in answers for the device too, and the output says so: torch's device capability (12.0,
+# what the inserted code asks at the first forward), the module-level device flags the server
+# computed from torch at import ("device_flags", as an SM120 GPU sets them), SGLang's CUDA kernel
+# library (sgl_kernel) where an import needs it and it does not load, and each compiled CUDA
+# operator vLLM looks up at import where its operator library does not load (each kernel raises if
+# called: no decision calls one). The server's state is set by the release's own setters, as a
+# TP-N server started with "server_args" (fusion requested, no DP attention) has it by its first
+# forward: its ServerArgs, published; the served model's hidden size. The check is about the
+# limits; status's `requested` step is about the options. Nothing sm120patch inserted, nor
+# anything it calls, is replaced.
 import importlib
 import importlib.abc
 import importlib.machinery
