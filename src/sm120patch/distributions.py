@@ -221,10 +221,10 @@ class VerifySpec(NamedTuple):
     compile_includes: tuple[str, ...] = ()
     # `verify --tuned` ([verify.tuned]): the server's arguments a start with fusion on gives (each
     # release takes the fields it has); the module-level device flags as an SM120 GPU sets them at
-    # import (used under the stand-in device only); the module constant that caps the fused batch.
+    # import (used under the stand-in device only). Each decision site's cap is the patch data's
+    # own: the expression its tuned-limits edit wraps.
     tuned_server_args: Mapping[str, Any] = MappingProxyType({})
     tuned_device_flags: Mapping[str, Any] = MappingProxyType({})
-    tuned_cap: str | None = None
 
 
 class PatchSets:
@@ -579,14 +579,13 @@ def parse_distribution(directory: Path, *, full: bool = True) -> Distribution:
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise PatchDataError(f"{where}: 'compile_includes' must be a list of strings")
     tuned = raw_verify.get("tuned", {})
-    if not isinstance(tuned, dict) or set(tuned) - {"server_args", "device_flags", "cap"} or not all(
+    if not isinstance(tuned, dict) or set(tuned) - {"server_args", "device_flags"} or not all(
             isinstance(tuned.get(key, {}), dict) for key in ("server_args", "device_flags")):
-        raise PatchDataError(f"{where}: [verify.tuned] holds a server_args table, a device_flags table and cap")
+        raise PatchDataError(f"{where}: [verify.tuned] holds a server_args table and a device_flags table")
     verify = VerifySpec(**{key: _optional_str(raw_verify, key, where)
                            for key in ("jit_spec", "arch_list", "expect_target", "compile_header")},
                         compile_includes=tuple(includes), tuned_server_args=MappingProxyType(tuned.get("server_args", {})),
-                        tuned_device_flags=MappingProxyType(tuned.get("device_flags", {})),
-                        tuned_cap=_optional_str(tuned, "cap", where))
+                        tuned_device_flags=MappingProxyType(tuned.get("device_flags", {})))
     unknown = set(raw_verify) - {"jit_spec", "arch_list", "expect_target", "compile_header", "compile_includes", "tuned"}
     if unknown:
         raise PatchDataError(f"{where}: unknown verify key(s) {', '.join(sorted(unknown))}")
