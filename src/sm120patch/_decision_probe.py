@@ -242,7 +242,6 @@ except Exception as exc:  # noqa: BLE001
     print(json.dumps({"skipped": "torch is not importable here (%s: %s)" % (type(exc).__name__, exc)}))
     sys.exit(0)
 
-kernels = None  # why sgl_kernel does not import here, where it does not
 real = []
 try:
     if torch.cuda.is_available():
@@ -255,11 +254,6 @@ if standin:
     out["device"] = "stand-in SM120 GPU (no SM120 GPU visible to torch here%s)" % (
         ": it sees compute capability " + ", ".join("%d.%d" % c for c in real) if real else "")
     if request["kind"] == "sites":
-        try:
-            importlib.import_module("sgl_kernel")
-        except Exception as exc:  # noqa: BLE001 - not installed, or its CUDA libraries are not here
-            kernels = ("it is not installed here" if isinstance(exc, ModuleNotFoundError) and exc.name == "sgl_kernel"
-                       else "it does not load here: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0])
         # A CPU-feature query some releases make at import and a later torch no longer has: this CPU's AMX.
         if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
             torch._C._cpu._is_amx_tile_supported = lambda: False
@@ -292,11 +286,10 @@ def stand_in_operator(exc):
 
 
 def import_one(name):
-    """One module, imported as the server imports it. Where the import needs sgl_kernel, which does
-    not import on this stand-in device, once more with its kernels stood in (only then: a release
-    that imports without it keeps its own way of doing without); likewise for each compiled
-    operator it looks up that is not registered here."""
-    global kernels
+    """One module, imported as the server imports it. On the stand-in device, where the import
+    needs sgl_kernel and it does not load (not installed, or its CUDA libraries missing), once
+    more with its kernels stood in (only then: a release that imports without it keeps its own
+    way of doing without); likewise for each compiled operator it looks up that is not registered."""
     while True:
         try:
             return importlib.import_module(name)
@@ -304,19 +297,34 @@ def import_one(name):
             if not stand_in_operator(exc):
                 raise
         except ImportError as exc:
-            if kernels is None or not (getattr(exc, "name", None) or "").split(".")[0] == "sgl_kernel" and not any(
-                    "/sgl_kernel/" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
+            if not stand_in_kernels(exc):
                 raise
-            sys.meta_path.insert(0, StandinKernels())
-            for loaded in [m for m in sys.modules if m.split(".")[0] == "sgl_kernel"]:
-                del sys.modules[loaded]
-            out["device"] += "; sgl_kernel's CUDA kernels stood in (%s)" % kernels
-            kernels = None
+
+
+def stand_in_kernels(exc):
+    """Whether ``exc`` is an import failing for want of sgl_kernel on the stand-in device: its
+    kernels are then stood in (once), and the output says why."""
+    # Only where sgl_kernel itself does not import (a real one that loaded and lacks a module is
+    # the environment's to fix), once, and for SGLang.
+    if not standin or request["kind"] != "sites" or "sgl_kernel" in sys.modules or any(
+            isinstance(finder, StandinKernels) for finder in sys.meta_path):
+        return False
+    missing = (getattr(exc, "name", None) or "").split(".")[0] == "sgl_kernel"
+    if not missing and not any("/sgl_kernel/" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
+        return False
+    sys.meta_path.insert(0, StandinKernels())
+    for loaded in [m for m in sys.modules if m.split(".")[0] == "sgl_kernel"]:
+        del sys.modules[loaded]
+    out["device"] += "; sgl_kernel's CUDA kernels stood in (%s)" % (
+        "it is not installed here" if isinstance(exc, ModuleNotFoundError) and exc.name == "sgl_kernel" else
+        "it does not load here: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+    return True
 
 
 def import_all(names):
-    """The server's modules, imported as the server imports them; None (and the answer printed)
-    where one does not import."""
+    """The server's modules by name, imported as the server imports them; where one does not
+    import, the answer instead: {"skipped": why} (the check cannot run here) or {"error": why}
+    (the patched module's own code raised)."""
     modules = {}
     for name in dict.fromkeys(names):
         try:
