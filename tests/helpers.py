@@ -402,3 +402,19 @@ tree = ast.parse(open(path).read())
 exec(compile(ast.Module([n for n in tree.body if wanted(n)], []), path, "exec"), module.__dict__)
 MiB = 1024 * 1024
 """
+
+
+def write_tuned_profile(path: Path, entries: dict, *, hidden: int, software: dict | None = None,
+                        created: str = "2026-12-06T03:00:00Z") -> str:
+    """A tuned-limits profile of this machine (its box as the servers read it), mode 0644: one entry
+    per TP size in ``entries``, TP -> (fused bytes, one-shot bytes) at ``hidden``, bf16, tuned with
+    the releases ``software``. Returns the path as a server is handed it."""
+    import json
+
+    from sm120patch import _tuned_runtime as rt
+
+    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(), "entries": {
+        str(tp): {"created": created, "software": software or {}, "nccl_env": {}, "dtype": "bf16", "hidden": hidden,
+                  "fused_max_bytes": fused, "oneshot_max_bytes": one} for tp, (fused, one) in entries.items()}}))
+    path.chmod(0o644)
+    return str(path)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COMMUNICATOR, VLLM_TUNED_MODULE, Session, snapshot
-from sm120patch import _tuned_runtime as rt
+from helpers import COMMUNICATOR, VLLM_TUNED_MODULE, Session, snapshot, write_tuned_profile
 from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
 from sm120patch.wheels import fetch_wheel
@@ -111,13 +110,10 @@ def _keyed(result: dict) -> dict:
 
 
 def write_profile(path: Path, software: dict, **entries) -> None:
-    """A profile for this machine (its box as the server reads it), one entry per TP size:
-    (fused tokens, one-shot tokens) at hidden 4096, bf16."""
-    document = {"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(), "entries": {
-        tp.lstrip("tp"): {"created": "2026-12-05T01:30:00Z", "software": software, "nccl_env": {}, "dtype": "bf16",
-                          "hidden": HIDDEN, "fused_max_bytes": fused * HIDDEN * 2, "oneshot_max_bytes": one * HIDDEN * 2}
-        for tp, (fused, one) in entries.items()}}
-    path.write_text(json.dumps(document))
+    """A profile for this machine, one entry per TP size (``tp4=``): (fused tokens, one-shot
+    tokens) at hidden 4096, bf16."""
+    limits = {tp.lstrip("tp"): (fused * HIDDEN * 2, one * HIDDEN * 2) for tp, (fused, one) in entries.items()}
+    write_tuned_profile(path, limits, hidden=HIDDEN, software=software, created="2026-12-05T01:30:00Z")
 
 
 @pytest.fixture(scope="module")

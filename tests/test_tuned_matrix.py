@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from helpers import VLLM_TUNED_MODULE
-from sm120patch import _tuned_runtime as rt
+from helpers import VLLM_TUNED_MODULE, write_tuned_profile
 from sm120patch.distributions import load_registry
 from sm120patch.edits import apply_edits
 from sm120patch.wheels import fetch_wheel
@@ -79,13 +78,6 @@ print(json.dumps({"fused": fused, "oneshot": oneshot_row, "log": [l for l in log
 """
 
 
-def write_profile(path: Path, **entries) -> None:
-    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(), "entries": {
-        str(tp): {"created": "2026-12-06T03:00:00Z", "software": {}, "nccl_env": {}, "dtype": "bf16", "hidden": HIDDEN,
-                  "fused_max_bytes": fused, "oneshot_max_bytes": one} for tp, (fused, one) in entries.items()}}))
-    path.chmod(0o644)
-
-
 @pytest.mark.parametrize("name, version", ends("vllm"), ids=[f"vllm-{v}" for _, v in ends("vllm")])
 def test_vllm_decisions_follow_a_profile_at_its_boundaries_and_ignore_a_bad_one(wheel_cache, tmp_path, name, version):
     patch_set = REGISTRY.get("vllm").find(Version(version))
@@ -120,7 +112,7 @@ def test_vllm_decisions_follow_a_profile_at_its_boundaries_and_ignore_a_bad_one(
     for why, content in bad.items():
         profile.unlink(missing_ok=True)
         if isinstance(content, tuple):
-            write_profile(profile, **{str(k): v for k, v in content[1].items()})
+            write_tuned_profile(profile, content[1], hidden=HIDDEN)
             if content[0] == "mode":
                 profile.chmod(0o666)
         elif content is not None:
@@ -137,7 +129,7 @@ def test_vllm_decisions_follow_a_profile_at_its_boundaries_and_ignore_a_bad_one(
             assert (result["fused"], result["oneshot"]) == (without["fused"], without["oneshot"]), why
             assert result["log"][0].startswith("sm120patch tuned limits not used ("), why
 
-    write_profile(profile, **{str(TP): (FUSED, ONESHOT)})
+    write_tuned_profile(profile, {TP: (FUSED, ONESHOT)}, hidden=HIDDEN)
     result = run(tuned)
     mib = 1024 * 1024
     assert result["fused"] == {**without["fused"], str(TP): FUSED / mib}

@@ -13,9 +13,9 @@ rolls back."""
 
 from __future__ import annotations
 
+import email
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,9 +23,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from helpers import ServingEnv, Session, make_venv, snapshot
+from helpers import ServingEnv, Session, make_venv, snapshot, write_tuned_profile
 from sm120patch import _tuned_runtime as rt
 from sm120patch import decisions
 from sm120patch.data import data_dir
@@ -65,12 +67,9 @@ def server_env(tmp_path_factory, flashinfer_wheel, sglang_wheel) -> ServingEnv:
 
 
 def write_profile(path, software: dict, tp: int, fused_tokens: float, oneshot_tokens: float) -> None:
-    """A profile for this machine (its box as the server reads it) whose limits are not whole tokens."""
-    entry = {"created": "2026-12-06T03:00:00Z", "software": software, "nccl_env": {}, "dtype": "bf16",
-             "hidden": HIDDEN, "fused_max_bytes": int(fused_tokens * HIDDEN * 2),
-             "oneshot_max_bytes": int(oneshot_tokens * HIDDEN * 2)}
-    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(),
-                                "entries": {str(tp): entry}}))
+    """A profile for this machine whose limits are not whole tokens (at hidden 4096, bf16)."""
+    write_tuned_profile(path, {tp: (int(fused_tokens * HIDDEN * 2), int(oneshot_tokens * HIDDEN * 2))}, hidden=HIDDEN,
+                        software=software)
 
 
 def tuned_rows(result) -> dict[str, dict]:
@@ -140,27 +139,25 @@ TP = 4
 FUSED, ONESHOT = int(37.6 * SERVED * 2), int(2.4 * SERVED * 2)
 
 
-def pinned(wheel: Path, distribution: str) -> str | None:
-    """The release of ``distribution`` the wheel pins (==), in any of its requirement lines."""
+def requirements_of(wheel: Path) -> list[Requirement]:
+    """The wheel's requirements (its METADATA's Requires-Dist), parsed."""
     with zipfile.ZipFile(wheel) as z:
         metadata = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        text = z.read(metadata).decode()
-    name = re.sub(r"[-_.]", "[-_.]", distribution)
-    found = re.search(rf"^Requires-Dist: {name}(?:\[[^\]]*\])?==([^\s;,]+)", text, re.M | re.I)
-    return found.group(1) if found else None
+        message = email.message_from_bytes(z.read(metadata))
+    return [Requirement(line) for line in message.get_all("Requires-Dist") or []]
+
+
+def pinned(wheel: Path, distribution: str) -> str | None:
+    """The release of ``distribution`` the wheel pins (==), in any of its requirements (an extra's too)."""
+    name = canonicalize_name(distribution)
+    return next((spec.version for r in requirements_of(wheel) if canonicalize_name(r.name) == name
+                 for spec in r.specifier if spec.operator == "=="), None)
 
 
 def requirements(wheel: Path, names: set[str]) -> tuple[str, ...]:
-    """The wheel's own requirement lines (not an extra's) for the distributions ``names``."""
-    with zipfile.ZipFile(wheel) as z:
-        metadata = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        text = z.read(metadata).decode()
-    found = []
-    for line in re.findall(r"^Requires-Dist: (.+)$", text, re.M):
-        name = re.match(r"[A-Za-z0-9._-]+", line).group(0)
-        if re.sub(r"[-_.]+", "-", name).lower() in names and "extra ==" not in line:
-            found.append(line.strip())
-    return tuple(sorted(found))
+    """The wheel's own requirements (not an extra's) for the distributions ``names``, as pip takes them."""
+    return tuple(sorted(str(r) for r in requirements_of(wheel) if canonicalize_name(r.name) in names
+                        and not (r.marker and "extra" in str(r.marker))))
 
 
 @pytest.fixture(scope="module")
@@ -198,15 +195,6 @@ def patched_tree(folder: Path, server: Path, flashinfer: Path, patch_set, select
     return folder
 
 
-def profile_at(path: Path, **entries) -> str:
-    """A profile of this machine: ``entries`` TP -> (fused bytes, one-shot bytes), at SERVED."""
-    path.write_text(json.dumps({"kind": "sm120patch tuned limits", "format": 1, "box": rt._sm120patch_box(), "entries": {
-        str(tp): {"created": "2026-12-06T03:00:00Z", "software": {}, "nccl_env": {}, "dtype": "bf16", "hidden": SERVED,
-                  "fused_max_bytes": fused, "oneshot_max_bytes": one} for tp, (fused, one) in entries.items()}}))
-    path.chmod(0o644)
-    return str(path)
-
-
 @pytest.mark.parametrize("version", ENDS, ids=[f"sglang-{v}" for v in ENDS])
 def test_every_sglang_range_follows_a_profile_and_ignores_a_bad_one(server_env, pinned_transformers, wheel_cache,
                                                                        tmp_path, monkeypatch, version):
@@ -220,14 +208,15 @@ def test_every_sglang_range_follows_a_profile_and_ignores_a_bad_one(server_env, 
     tmp_path.chmod(0o755)
     profiles = tmp_path / "profiles"
     profiles.mkdir(mode=0o755)
-    good = profile_at(profiles / "good.json", **{str(TP): (FUSED, ONESHOT)})
+    good = write_tuned_profile(profiles / "good.json", {TP: (FUSED, ONESHOT)}, hidden=SERVED)
     corrupt, stranger, planted = profiles / "corrupt.json", profiles / "stranger.json", profiles / "others.json"
     corrupt.write_text("{")
     stranger.write_text(json.dumps({"kind": "another tool's file"}))
-    profile_at(planted, **{str(TP): (FUSED, ONESHOT)})
+    write_tuned_profile(planted, {TP: (FUSED, ONESHOT)}, hidden=SERVED)
     planted.chmod(0o666)  # others may write it: the server refuses it as it would a missing one
     bad = {"absent": str(profiles / "none.json"), "corrupt": str(corrupt), "not a profile": str(stranger),
-           "another TP": profile_at(profiles / "tp8.json", **{"8": (FUSED, ONESHOT)}), "others may write it": str(planted)}
+           "another TP": write_tuned_profile(profiles / "tp8.json", {8: (FUSED, ONESHOT)}, hidden=SERVED),
+           "others may write it": str(planted)}
     sizes = sorted({*range(1, TP + 2), *(n + d for n in (FUSED // (SERVED * 2), ONESHOT // (SERVED * 2)) for d in (-1, 0, 1))})
     cases = [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": good},
              # A model wider than the one tuned: the limits are bytes, converted at the served width.
@@ -336,7 +325,7 @@ def test_verify_tuned_runs_every_vllm_ranges_fusion_module_under_a_profile(serve
     tmp_path.chmod(0o755)
     profiles = tmp_path / "profiles"
     profiles.mkdir(mode=0o755)
-    good = profile_at(profiles / "good.json", **{str(TP): (FUSED, ONESHOT)})
+    good = write_tuned_profile(profiles / "good.json", {TP: (FUSED, ONESHOT)}, hidden=SERVED)
     (profiles / "corrupt.json").write_text("{")
     sizes = sorted({*range(1, TP + 2), *(n + d for n in (FUSED // (SERVED * 2), ONESHOT // (SERVED * 2)) for d in (-1, 0, 1))})
     cases = [{"tp": TP, "hidden": SERVED, "dtype": "bf16", "sizes": sizes, "profile": good},
