@@ -441,6 +441,10 @@ def test_the_workers_measure_the_sizes_the_tuner_asks_for_in_the_same_run(runtim
         rows = w.tune_rows(config, rank, 2, None, None, None, dist.group.WORLD)
         with open(os.path.join({str(tmp_path)!r}, "rows-%d.json" % rank), "w") as handle:
             json.dump(rows, handle)
+        # as the worker ends: left to interpreter teardown, gloo's threads could outlive rank 0's
+        # store and abort rank 1 at exit (SIGABRT, "terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
     """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
