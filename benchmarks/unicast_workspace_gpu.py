@@ -49,3 +49,4 @@ except Exception as exc:  # noqa: BLE001
 out["multicast_calls"] = [c for c in sd.CALLS if c.startswith("cuMulticast")]
 out["stand_in_calls"] = sorted(set(sd.CALLS))
 print(json.dumps(out))
+dist.destroy_process_group()  # not left to interpreter teardown, where gloo's threads can abort the process

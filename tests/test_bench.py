@@ -358,6 +358,7 @@ def test_a_pcie_ipc_path_that_cannot_be_made_here_is_said_and_left_untimed(runti
         except Exception as exc:
             why = w.last_line(exc)
         print(json.dumps([out, why]))
+        dist.destroy_process_group()  # not left to interpreter teardown, where gloo's threads can abort it
     """
     proc = subprocess.run([str(runtime_env.python), "-c", textwrap.dedent(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
