@@ -327,4 +327,11 @@ if __name__ == "__main__":  # python standin_driver.py -c CODE [ARGS...]: run CO
     code = sys.argv[2]
     sys.argv = ["-c", *sys.argv[3:]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    exec(compile(code, "<stand-in script>", "exec"), {"__name__": "__main__"})
+    try:
+        exec(compile(code, "<stand-in script>", "exec"), {"__name__": "__main__"})
+    finally:
+        # The script's process group goes here, not to interpreter teardown, where gloo's threads
+        # can abort the process (SIGABRT, "terminate called without an active exception"; pytorch#190489).
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -45,9 +45,8 @@ def fusion_env(runtime_env):
 
 def run_standin(env, script: str, *args: str, pythonpath: str | None = None) -> dict:
     """Run ``script`` in the serving interpreter under the stand-in driver; it prints one JSON
-    line. ``pythonpath``: a directory put before the environment's site-packages. Each script
-    destroys its process group before it exits: left to interpreter teardown, gloo's threads can
-    abort the process (SIGABRT, "terminate called without an active exception"; pytorch#190489)."""
+    line (the stand-in's launcher destroys its process group after it). ``pythonpath``: a directory
+    put before the environment's site-packages."""
     environ = {"PATH": "/usr/bin:/bin", "HOME": str(env.home)}
     if os.environ.get("CUDA_HOME"):
         environ["CUDA_HOME"] = os.environ["CUDA_HOME"]
@@ -77,7 +76,6 @@ except sd.Reached as exc:
 except Exception as exc:
     outcome = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"outcome": outcome, "calls": sd.CALLS}))
-dist.destroy_process_group()
 """
 
 
@@ -102,7 +100,6 @@ except sd.Reached as exc:
 except Exception as exc:
     outcome = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"flashinfer": flashinfer.__version__, "outcome": outcome, "calls": sd.CALLS}))
-dist.destroy_process_group()
 """
 # What FlashInfer 0.6.12's comm package imports beyond the runtime environment (its own
 # requirements; triton is imported by a module the package loads).
@@ -175,7 +172,6 @@ logged = []
 module = sd.load_plain_functions(sys.argv[1], "sglang_preflight", logged)
 proceed = module._preflight_check_workspace_memory(2, 2048, 4096, torch.bfloat16, cpu_group=dist.group.WORLD)
 print(json.dumps({"proceed": proceed, "calls": sd.CALLS, "log": logged}))
-dist.destroy_process_group()
 """
 
 
@@ -318,7 +314,6 @@ except worker["Failure"] as failure:
 except sd.Reached as reached:
     outcome = "reached " + str(reached)
 print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
-dist.destroy_process_group()
 """
 
 
@@ -384,7 +379,6 @@ except sd.Reached as exc:
 except Exception as exc:
     outcome = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
-dist.destroy_process_group()
 """
 MANAGER = "vllm/distributed/device_communicators/flashinfer_all_reduce.py"
 
@@ -448,7 +442,6 @@ try:
 except sd.Reached as exc:
     outcome = "reached " + str(exc)
 print(json.dumps({"outcome": outcome, "calls": sd.CALLS, "log": logged}))
-dist.destroy_process_group()
 """
 
 
